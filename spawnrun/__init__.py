@@ -1,0 +1,27 @@
+"""spawnrun: run GPU tests each in a fresh ``multiprocessing`` spawn child.
+
+Runs in both processes. Keep this module tiny: the child imports it first.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["CHILD_ENV", "is_child", "__version__"]
+
+#: Set to ``"1"`` in the environment of every spawned test process.
+CHILD_ENV = "SPAWNRUN_CHILD"
+
+
+def is_child() -> bool:
+    """Return True inside a test process started by spawnrun (and its descendants)."""
+    return os.environ.get(CHILD_ENV) == "1"
+
+
+def __getattr__(name: str) -> str:
+    # Lazy: importlib.metadata costs a few milliseconds we do not want per child.
+    if name == "__version__":
+        from importlib.metadata import version
+
+        return version("spawnrun")
+    raise AttributeError(name)

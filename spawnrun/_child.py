@@ -1,0 +1,202 @@
+"""The spawn child: rebuild the parent's pytest configuration, find one test, run it.
+
+Runs in the child only. Imports nothing from spawnrun but ``_protocol`` (and pytest,
+lazily, after output is redirected), so booting stays cheap and the parent side never
+leaks in. The parent starts ``main`` through ``multiprocessing``'s spawn context.
+
+Life: boot (configure, collect, find the node id) -> ``Booted`` -> wait for ``Go`` ->
+setup/call/teardown, each report streamed as soon as pytest logs it -> ``Done``.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from typing import IO
+from typing import Any
+
+import pytest
+
+from spawnrun import _protocol as proto
+
+#: True in a process whose pytest session was started by ``main``: the plugin then
+#: leaves running tests to pytest instead of spawning again.
+ACTIVE = False
+
+#: Signal the parent sends to ask for the stacks of all threads before a kill.
+DUMP_SIGNAL = signal.SIGUSR1
+
+_MAX_LISTED_IDS = 10
+
+
+def main(spec: proto.ChildSpec, conn: Connection) -> None:
+    global ACTIVE
+    ACTIVE = True
+    # Own session and process group: the parent can kill everything the test
+    # started with one killpg, and a Ctrl-C at the terminal reaches only the parent.
+    os.setsid()
+    if spec.log_path is not None:
+        fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    stacks = open(spec.stacks_path, "w")  # noqa: SIM115 - lives as long as the process
+    _arm_faulthandler(stacks)
+    os.chdir(spec.invocation_dir)
+    relay = _Relay(spec, conn, stacks)
+    try:
+        config = pytest.Config.fromdictargs(
+            spec.option_dict, [*spec.plugin_args, *spec.args]
+        )
+        config.pluginmanager.register(relay, "spawnrun-child")
+        config.hook.pytest_cmdline_main(config=config)
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        if not relay.booted:
+            relay.send(
+                proto.Booted(os.getpid(), False, "error while starting pytest in the "
+                             "child:\n" + traceback.format_exc())
+            )
+        elif not relay.interrupted:
+            relay.notes.append("error in the child after the test:\n"
+                               + traceback.format_exc())
+    try:
+        relay.send(proto.Done(relay.notes))
+    except OSError:
+        pass  # the parent is gone or no longer listening: nothing left to tell
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _arm_faulthandler(stacks: IO[str]) -> None:
+    faulthandler.enable(file=stacks, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=stacks, all_threads=True, chain=False)
+
+
+class _Relay:
+    """Child-side pytest plugin: finds the test, waits for the go, streams reports."""
+
+    def __init__(
+        self, spec: proto.ChildSpec, conn: Connection, stacks: IO[str]
+    ) -> None:
+        self.spec = spec
+        self.conn = conn
+        self.stacks = stacks
+        self.booted = False
+        self.interrupted = False
+        self.collect_errors: list[str] = []
+        self.notes: list[str] = []
+        self.config: Any = None
+
+    def send(self, msg: proto.Message) -> None:
+        try:
+            self.conn.send(msg)
+        except Exception:  # noqa: BLE001 - unpicklable content degrades to text
+            if not isinstance(msg, proto.Report):
+                raise
+            self.conn.send(proto.Report(_textify(msg.data)))
+
+    # pytest hooks ---------------------------------------------------------------
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_configure(self, config: Any) -> None:
+        self.config = config
+        # pytest's own faulthandler plugin points faulthandler at stderr during
+        # configure; take it back so crash stacks land where the parent reads them.
+        _arm_faulthandler(self.stacks)
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            self.collect_errors.append(
+                f"ERROR collecting {report.nodeid or '.'}\n{report.longreprtext}"
+            )
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self, session: Any) -> bool:
+        wanted = self.spec.nodeid
+        item = next((i for i in session.items if i.nodeid == wanted), None)
+        if item is None:
+            self.send(proto.Booted(os.getpid(), False, self._not_found(session)))
+            self.booted = True
+            return True
+        self.send(proto.Booted(os.getpid(), True))
+        self.booted = True
+        try:
+            go = self.conn.recv()
+        except (EOFError, OSError):
+            return True  # the parent stopped the run before this test's turn
+        if not isinstance(go, proto.Go):
+            return True
+        try:
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
+        except KeyboardInterrupt:
+            self.interrupted = True
+            self.send(proto.Interrupted(keyboard=True, message="KeyboardInterrupt"))
+            raise
+        except pytest.exit.Exception as exc:
+            self.interrupted = True
+            self.send(proto.Interrupted(False, exc.msg, exc.returncode))
+            raise
+        return True
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        if report.nodeid != self.spec.nodeid:
+            return
+        data = self.config.hook.pytest_report_to_serializable(
+            config=self.config, report=report
+        )
+        self.send(proto.Report(data))
+
+    def pytest_warning_recorded(
+        self, warning_message: Any, when: str, nodeid: str, location: Any
+    ) -> None:
+        # Collection-time warnings were already recorded by the parent's collection.
+        if when != "runtest":
+            return
+        category = warning_message.category
+        self.send(
+            proto.WarningRecord(
+                message=str(warning_message.message),
+                category_module=category.__module__,
+                category_name=category.__qualname__,
+                filename=str(warning_message.filename),
+                lineno=int(warning_message.lineno or 0),
+                nodeid=nodeid,
+                when=when,
+            )
+        )
+
+    def _not_found(self, session: Any) -> str:
+        lines = [
+            f"node id {self.spec.nodeid!r} was not collected by the child "
+            f"(collected args: {' '.join(self.spec.args)})"
+        ]
+        ids = [i.nodeid for i in session.items]
+        if ids:
+            shown = ids[:_MAX_LISTED_IDS]
+            more = len(ids) - len(shown)
+            lines.append(f"the child collected {len(ids)} test(s):")
+            lines += [f"  {i}" for i in shown]
+            if more:
+                lines.append(f"  ... and {more} more")
+        else:
+            lines.append("the child collected no tests")
+        lines += self.collect_errors
+        return "\n".join(lines)
+
+
+def _textify(value: Any) -> Any:
+    """Make a report payload picklable: anything exotic becomes its repr."""
+    if isinstance(value, dict):
+        return {str(k): _textify(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_textify(v) for v in value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    try:
+        return repr(value)
+    except Exception:  # noqa: BLE001
+        return f"<unrepresentable {type(value).__name__}>"

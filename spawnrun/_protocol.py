@@ -1,0 +1,84 @@
+"""The wire between parent and child: one frozen dataclass per message.
+
+Runs in both processes; imports nothing from the rest of spawnrun. Messages travel
+pickled over a ``multiprocessing`` pipe. Reports travel as the JSON-safe dicts of
+``pytest_report_to_serializable`` so structured tracebacks survive.
+
+Life of a child: it boots (imports, configures pytest, collects its node id) and
+sends ``Booted``; it then waits for ``Go``, runs setup/call/teardown and streams
+``Report`` / ``WarningRecord`` messages, then ``Interrupted`` if the test stopped the
+session, and always ``Done`` last. EOF before ``Done`` means the child died.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from dataclasses import field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    """Everything a child needs to rebuild the parent's configuration and find its test."""
+
+    nodeid: str
+    #: Positional args to collect: the test's file first, the parent's args on fallback.
+    args: list[str]
+    #: ``-p`` plugin arguments, given before anything else is parsed.
+    plugin_args: list[str]
+    #: The parent's ``config.option`` values that survive pickling, with overrides.
+    option_dict: dict[str, Any]
+    invocation_dir: str
+    #: Where the child sends its stdout/stderr; None streams them to the terminal.
+    log_path: str | None
+    #: Where faulthandler writes the stacks of a dying or timed-out child.
+    stacks_path: str
+    protocol: int = PROTOCOL_VERSION
+
+
+@dataclass(frozen=True)
+class Booted:
+    pid: int
+    found: bool
+    #: Why the node id was not found: collection errors, or the ids that were.
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class Go:
+    pass
+
+
+@dataclass(frozen=True)
+class Report:
+    data: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WarningRecord:
+    message: str
+    category_module: str
+    category_name: str
+    filename: str
+    lineno: int
+    nodeid: str
+    when: str
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """The test called ``pytest.exit()`` or raised KeyboardInterrupt."""
+
+    keyboard: bool
+    message: str
+    returncode: int | None = None
+
+
+@dataclass(frozen=True)
+class Done:
+    notes: list[str] = field(default_factory=list)
+
+
+Message = Booted | Report | WarningRecord | Interrupted | Done

@@ -1,0 +1,36 @@
+"""Reports the parent makes itself: a test not found, a missing phase, a dead child.
+
+Runs in the parent. Message prefixes are constants so tests can import them.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+NOT_FOUND = "spawnrun: the spawned child could not find this test"
+NO_CALL = "spawnrun: the spawned child ended without a call report for this test"
+NO_TEARDOWN = "spawnrun: the spawned child ended without a teardown report"
+DIED = "spawnrun: the child process running this test died"
+CHILD_NOTES = "spawnrun: child notes"
+
+
+def make(
+    item: pytest.Item,
+    when: str,
+    outcome: str,
+    longrepr: str | None = None,
+    sections: list[tuple[str, str]] | None = None,
+) -> pytest.TestReport:
+    return pytest.TestReport(
+        nodeid=item.nodeid,
+        location=item.location,
+        keywords={k: 1 for k in item.keywords},
+        outcome=outcome,  # type: ignore[arg-type]
+        longrepr=longrepr,
+        when=when,  # type: ignore[arg-type]
+        sections=sections or [],
+        duration=0.0,
+        start=0.0,
+        stop=0.0,
+        user_properties=list(item.user_properties),
+    )

@@ -1,0 +1,220 @@
+"""Configuration: one table of settings, resolved once per run into a frozen ``Settings``.
+
+Runs in the parent. Precedence: default < ini < environment < command line < marker.
+CLI help, ini help and the marker's doc line are all generated from ``SETTINGS`` so
+they cannot drift apart. Every validator names where a bad value came from.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+MARKER = "gpu"
+
+
+def parse_bool(value: object, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise pytest.UsageError(f"{source}: expected a boolean (true/false), got {value!r}")
+
+
+def parse_timeout(value: object, source: str) -> float | None:
+    """Seconds as a non-negative number; 0, "none" or None mean no limit."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise pytest.UsageError(f"{source}: expected seconds, got {value!r}")
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "none", "0"):
+            return None
+        try:
+            seconds = float(text)
+        except ValueError:
+            raise pytest.UsageError(
+                f"{source}: expected seconds (a number, 0 or 'none'), got {value!r}"
+            ) from None
+    elif isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        raise pytest.UsageError(f"{source}: expected seconds, got {value!r}")
+    if math.isnan(seconds) or seconds < 0:
+        raise pytest.UsageError(f"{source}: seconds must be >= 0, got {value!r}")
+    return None if seconds == 0 else seconds
+
+
+def parse_count(value: object, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise pytest.UsageError(f"{source}: expected a whole number >= 0, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str
+    cli: str | None
+    ini: str | None
+    env: str | None
+    marker_kwarg: str | None
+    default: Any
+    parse: Callable[[object, str], Any]
+    help: str
+    #: How the value reads in help texts and the marker doc line.
+    metavar: str = ""
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        name="spawn_gpu",
+        cli="--spawn-gpu",
+        ini="spawn_gpu",
+        env="SPAWNRUN_SPAWN_GPU",
+        marker_kwarg=None,
+        default=False,
+        parse=parse_bool,
+        help="Run every collected test in a fresh spawn child, marked or not",
+    ),
+    Setting(
+        name="no_spawn",
+        cli="--no-spawn",
+        ini=None,
+        env=None,
+        marker_kwarg=None,
+        default=False,
+        parse=parse_bool,
+        help="Run every test in-process, spawning nothing (for pdb and breakpoints)",
+    ),
+    Setting(
+        name="count",
+        cli=None,
+        ini=None,
+        env=None,
+        marker_kwarg="count",
+        default=1,
+        parse=parse_count,
+        help="Number of GPUs the test needs (0: isolate without a device)",
+        metavar="N",
+    ),
+    Setting(
+        name="timeout",
+        cli="--spawn-timeout",
+        ini="spawn_timeout",
+        env="SPAWNRUN_TIMEOUT",
+        marker_kwarg="timeout",
+        default=None,
+        parse=parse_timeout,
+        help="Seconds a spawned test may run before its stacks are dumped and it is "
+        "killed (0 or none: no limit)",
+        metavar="SECONDS",
+    ),
+)
+
+MARKER_KWARGS = tuple(s.marker_kwarg for s in SETTINGS if s.marker_kwarg)
+
+
+def marker_doc() -> str:
+    kwargs = ", ".join(
+        f"{s.marker_kwarg}={s.default!r}" for s in SETTINGS if s.marker_kwarg
+    )
+    details = "; ".join(
+        f"{s.marker_kwarg}: {s.help}" for s in SETTINGS if s.marker_kwarg
+    )
+    return (
+        f"{MARKER}({kwargs}): run the test in a fresh spawn child process "
+        f"(spawnrun); {details}"
+    )
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("spawnrun", "run tests in fresh spawn children")
+    for s in SETTINGS:
+        if s.cli is not None:
+            if s.parse is parse_bool:
+                group.addoption(
+                    s.cli, action="store_true", default=None, dest=s.name, help=s.help
+                )
+            else:
+                group.addoption(
+                    s.cli, action="store", default=None, dest=s.name,
+                    metavar=s.metavar, help=s.help,
+                )
+        if s.ini is not None:
+            parser.addini(s.ini, help=s.help, default=None)
+
+
+@dataclass(frozen=True)
+class Settings:
+    spawn_gpu: bool
+    no_spawn: bool
+    count: int
+    timeout: float | None
+    #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
+    forced_inprocess: str = ""
+
+
+def resolve(
+    config: pytest.Config, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Resolve every setting once: default < ini < environment < command line."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        value = s.default
+        if s.ini is not None:
+            raw = config.getini(s.ini)
+            if raw not in (None, "", []):
+                value = s.parse(raw, f"ini option {s.ini!r}")
+        if s.env is not None and environ.get(s.env, "") != "":
+            value = s.parse(environ[s.env], f"environment variable {s.env}")
+        if s.cli is not None:
+            raw = config.getoption(s.name)
+            if raw is not None:
+                value = s.parse(raw, f"command line option {s.cli}")
+        values[s.name] = value
+    if values["spawn_gpu"] and values["no_spawn"]:
+        raise pytest.UsageError("--spawn-gpu and --no-spawn cannot be used together")
+    forced = ""
+    for opt, flag in (("usepdb", "--pdb"), ("trace", "--trace")):
+        if config.getoption(opt, False):
+            forced = (
+                f"spawnrun: {flag} given, so every test runs in-process: "
+                "a debugger can only stop a test that runs in this process"
+            )
+            break
+    return Settings(forced_inprocess=forced, **values)
+
+
+def marker_overrides(item: pytest.Item) -> dict[str, Any]:
+    """Validated keyword arguments of the closest ``gpu`` marker (empty if none)."""
+    mark = item.get_closest_marker(MARKER)
+    if mark is None:
+        return {}
+    source = f"{item.nodeid}: @pytest.mark.{MARKER}"
+    if mark.args:
+        raise pytest.UsageError(
+            f"{source}: takes keyword arguments only "
+            f"({', '.join(MARKER_KWARGS)}), got positional {mark.args!r}"
+        )
+    unknown = sorted(set(mark.kwargs) - set(MARKER_KWARGS))
+    if unknown:
+        raise pytest.UsageError(
+            f"{source}: unknown keyword argument(s) {', '.join(unknown)}; "
+            f"known: {', '.join(MARKER_KWARGS)}"
+        )
+    by_kwarg = {s.marker_kwarg: s for s in SETTINGS if s.marker_kwarg}
+    return {
+        by_kwarg[k].name: by_kwarg[k].parse(v, f"{source}({k}={v!r})")
+        for k, v in mark.kwargs.items()
+    }
