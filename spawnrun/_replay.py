@@ -59,11 +59,12 @@ class Replay:
     def complete(self) -> None:
         """After a normal end: a passed setup needs a call report (the silent-pass guard)."""
         if "setup" not in self.seen:
-            self.fail("setup", _reports.NO_CALL + " (no setup report either)")
-        if self.seen["setup"].passed and "call" not in self.seen:
+            self.fail("setup", _reports.NO_CALL + " (nor any other report)")
+        elif self.seen["setup"].passed and "call" not in self.seen:
             self.fail("call", _reports.NO_CALL)
-        if "teardown" not in self.seen:
+        elif "teardown" not in self.seen:
             self.fail("teardown", _reports.NO_TEARDOWN)
+        self.ensure_teardown()
 
     def ensure_teardown(self) -> None:
         if "teardown" not in self.seen:

@@ -183,7 +183,9 @@ def resolve(
             if raw is not None:
                 value = s.parse(raw, f"command line option {s.cli}")
         values[s.name] = value
-    if values["spawn_gpu"] and values["no_spawn"]:
+    # Both on the command line is a contradiction; --no-spawn over an ini or
+    # environment spawn_gpu is the debugging escape hatch and wins.
+    if config.getoption("spawn_gpu") and config.getoption("no_spawn"):
         raise pytest.UsageError("--spawn-gpu and --no-spawn cannot be used together")
     forced = ""
     for opt, flag in (("usepdb", "--pdb"), ("trace", "--trace")):

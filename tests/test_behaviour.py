@@ -1,0 +1,458 @@
+"""End-to-end behaviour of the core: finding tests, guards, parent state, interrupts."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from spawnrun import _reports
+
+NO_INTERNAL = "*INTERNALERROR*"
+
+
+def test_spawned_runs_in_another_pid_unmarked_in_parent(pytester, monkeypatch):
+    monkeypatch.delenv("SPAWNRUN_CHILD", raising=False)
+    pytester.makeconftest(
+        """
+        import os
+        def pytest_configure(config):
+            if os.environ.get("SPAWNRUN_CHILD") != "1":
+                open("parent.pid", "w").write(str(os.getpid()))
+        """
+    )
+    pytester.makepyfile(
+        """
+        import json, os
+        import pytest
+        import spawnrun
+
+        def record(name):
+            with open(name + ".json", "w") as f:
+                json.dump([os.getpid(), os.environ.get("SPAWNRUN_CHILD"), spawnrun.is_child()], f)
+
+        @pytest.mark.gpu
+        def test_marked():
+            record("marked")
+
+        def test_unmarked():
+            record("unmarked")
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    parent = int((pytester.path / "parent.pid").read_text())
+    marked = json.loads((pytester.path / "marked.json").read_text())
+    unmarked = json.loads((pytester.path / "unmarked.json").read_text())
+    assert marked[0] != parent and marked[1:] == ["1", True]
+    assert unmarked == [parent, None, False]
+
+
+def test_marker_on_class_module_and_param(pytester):
+    pytester.makepyfile(
+        test_module="""
+        import pytest, spawnrun
+        pytestmark = pytest.mark.gpu
+        def test_in_module():
+            assert spawnrun.is_child()
+        """,
+        test_other="""
+        import pytest, spawnrun
+
+        @pytest.mark.gpu
+        class TestCls:
+            def test_in_class(self):
+                assert spawnrun.is_child()
+
+        @pytest.mark.parametrize("spawned", [pytest.param(True, marks=pytest.mark.gpu), False])
+        def test_param(spawned):
+            assert spawnrun.is_child() == spawned
+        """,
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=4)
+
+
+def test_ini_spawn_gpu_spawns_everything(pytester):
+    pytester.makeini("[pytest]\nspawn_gpu = true\n")
+    pytester.makepyfile("import spawnrun\ndef test_x():\n    assert spawnrun.is_child()\n")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    # The command line wins over ini.
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--no-spawn")
+    result.assert_outcomes(failed=1)
+
+
+MIXED = """
+import os
+import pytest
+import spawnrun
+
+LOG = os.path.join(os.path.dirname(__file__), "events.log")
+
+def log(event):
+    with open(LOG, "a") as f:
+        f.write(f"{{event}} {{'child' if spawnrun.is_child() else 'parent'}}\\n")
+
+@pytest.fixture(scope="module")
+def mod_res():
+    log("module-setup")
+    yield
+    log("module-teardown")
+
+class TestShared:
+    @pytest.fixture(scope="class")
+    def cls_res(self):
+        log("class-setup")
+        yield
+        log("class-teardown")
+
+    {first}
+    def test_a(self, mod_res, cls_res):
+        pass
+
+    {second}
+    def test_b(self, mod_res, cls_res):
+        pass
+
+{first}
+def test_c(mod_res):
+    pass
+
+{second}
+def test_d(mod_res):
+    pass
+
+def test_e_last_in_module():
+    pass
+"""
+
+
+@pytest.mark.parametrize("order", ["spawned-first", "inprocess-first"])
+def test_mixed_module_keeps_parent_fixture_stack(pytester, order):
+    mark = "@pytest.mark.gpu"
+    first, second = (mark, "") if order == "spawned-first" else ("", mark)
+    pytester.makepyfile(test_mixed=MIXED.format(first=first, second=second))
+    pytester.makepyfile(test_next="def test_next_module():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v")
+    result.assert_outcomes(passed=6)
+    result.stdout.no_fnmatch_line("*not torn down properly*")
+    events = (pytester.path / "events.log").read_text().splitlines()
+    parent = [e for e in events if e.endswith("parent")]
+    # In-process tests share one module and one class fixture in the parent, each
+    # set up once and torn down once, in order.
+    assert parent == [
+        "module-setup parent",
+        "class-setup parent",
+        "class-teardown parent",
+        "module-teardown parent",
+    ]
+    # Each spawned test built and tore down its own copies.
+    child = [e for e in events if e.endswith("child")]
+    assert child.count("module-setup child") == 2
+    assert child.count("module-teardown child") == 2
+
+
+def test_parent_teardown_error_lands_on_spawned_test(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def fragile():
+            yield
+            raise RuntimeError("parent module teardown failed")
+
+        def test_inproc(fragile):
+            pass
+
+        @pytest.mark.gpu
+        def test_spawned_last():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*ERROR at teardown of test_spawned_last*", "*parent module teardown failed*"]
+    )
+
+
+def test_fallback_collection_finds_ids_that_depend_on_the_whole_run(outcomes, pytester):
+    # Ids numbered in collection order across files: collecting test_b.py alone gives
+    # other ids than the parent saw, so the child must fall back to the parent's args.
+    outcomes.conftest(
+        """
+import itertools
+_counter = itertools.count()
+
+def pytest_generate_tests(metafunc):
+    if "n" in metafunc.fixturenames:
+        n = next(_counter)
+        metafunc.parametrize("n", [n], ids=[f"seq{n}"])
+"""
+    )
+    pytester.makepyfile(
+        test_a="def test_first(n):\n    pass\n",
+        test_b="import pytest\n@pytest.mark.gpu\ndef test_second(n):\n    assert n == 1\n",
+    )
+    result, seen = outcomes.run("-v")
+    result.assert_outcomes(passed=2)
+    assert ("test_b.py::test_second[seq1]", "call", "passed", False) in seen
+
+
+def test_not_found_is_a_failure_with_collection_errors(pytester):
+    pytester.makepyfile(
+        test_gone="""
+        import os
+        import pytest
+        if os.environ.get("SPAWNRUN_CHILD") == "1":
+            raise ImportError("this module refuses to import in the child")
+
+        @pytest.mark.gpu
+        def test_vanishes():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"*{_reports.NOT_FOUND}*",
+            "*node id 'test_gone.py::test_vanishes' was not collected by the child*",
+            "*ImportError: this module refuses to import in the child*",
+        ]
+    )
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+
+
+def test_deselected_in_child_lists_what_was_collected(pytester):
+    pytester.makeconftest(
+        """
+        import os
+        def pytest_collection_modifyitems(config, items):
+            if os.environ.get("SPAWNRUN_CHILD") == "1":
+                items[:] = [i for i in items if "hidden" not in i.name]
+        """
+    )
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.gpu\ndef test_hidden():\n    pass\n"
+        "def test_visible():\n    pass\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*the child collected 1 test(s):*", "*test_visible*"])
+
+
+GUARD_CONFTEST = """
+import os
+import pytest
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    if os.environ.get("SPAWNRUN_CHILD") != "1":
+        return None
+    if "setup_only" in item.name:
+        # A harness that claims success without running the test.
+        rep = pytest.TestReport(item.nodeid, item.location, {}, "passed", None, "setup")
+        item.ihook.pytest_runtest_logreport(report=rep)
+        return True
+    if "nothing" in item.name:
+        return True
+    return None
+"""
+
+
+def test_silent_pass_guard(pytester):
+    pytester.makeconftest(GUARD_CONFTEST)
+    pytester.makepyfile(
+        """
+        import pytest
+        pytestmark = pytest.mark.gpu
+        def test_setup_only():
+            pass
+        def test_nothing():
+            pass
+        def test_honest():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    result.assert_outcomes(passed=1, failed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*ERROR at setup of test_nothing*",
+            f"{_reports.NO_CALL} (nor any other report)",
+            "*_ test_setup_only _*",
+            _reports.NO_CALL,
+            "ERROR *test_nothing*",
+            "FAILED *test_setup_only*",
+        ]
+    )
+    result.stdout.no_fnmatch_line("PASSED *test_setup_only*")
+    result.stdout.no_fnmatch_line("PASSED *test_nothing*")
+
+
+def test_exitfirst_stops_after_first_spawned_failure(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+        pytestmark = pytest.mark.gpu
+        def test_one():
+            assert False
+        def test_two():
+            assert False
+        def test_three():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-x")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*stopping after 1 failures*"])
+
+
+@pytest.mark.parametrize(
+    "body, code, message",
+    [
+        ("pytest.exit('stop the run', returncode=3)", 3, "*Exit: stop the run*"),
+        ("raise KeyboardInterrupt", 2, "*KeyboardInterrupt*"),
+    ],
+    ids=["pytest.exit", "KeyboardInterrupt"],
+)
+def test_interrupt_in_child_stops_session_like_in_process(pytester, body, code, message):
+    pytester.makepyfile(
+        f"""
+        import pytest
+        pytestmark = pytest.mark.gpu
+        def test_stops():
+            {body}
+        def test_never_runs():
+            open("ran.txt", "w").write("x")
+        """
+    )
+    for extra in ([], ["--no-spawn"]):
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *extra)
+        assert result.ret == code
+        result.stdout.fnmatch_lines([message])
+        result.stdout.no_fnmatch_line(NO_INTERNAL)
+        assert not (pytester.path / "ran.txt").exists()
+
+
+def test_fork_unsafe_device_initialized_in_parent(pytester, fakedevice):
+    pytester.makeconftest(
+        """
+        import fakedevice
+        fakedevice.init()  # like a conftest that touches CUDA at import
+        """
+    )
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+        import fakedevice
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2, 3])
+        def test_spawned_can_use_device(x):
+            assert fakedevice.compute(x) == 2 * x
+
+        def test_forking_would_break():
+            # The control: a child *forked* from a process that initialized the
+            # device cannot use it, exactly like CUDA.
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    fakedevice.compute(1)
+                except RuntimeError as exc:
+                    os._exit(7 if fakedevice.FORK_ERROR in str(exc) else 1)
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 7
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning")
+    result.assert_outcomes(passed=4)
+
+
+def test_pdb_runs_in_process_with_one_notice(pytester):
+    pytester.makepyfile(
+        "import pytest, spawnrun\n@pytest.mark.gpu\ndef test_x():\n    assert not spawnrun.is_child()\n"
+    )
+    for flag in ("--pdb", "--trace"):
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", flag)
+        result.assert_outcomes(passed=1)
+        notices = [line for line in result.outlines if line.startswith("spawnrun:")]
+        assert notices == [
+            f"spawnrun: {flag} given, so every test runs in-process: "
+            "a debugger can only stop a test that runs in this process"
+        ]
+
+
+def test_parent_never_imports_torch(pytester):
+    pytest.importorskip("torch")
+    pytester.makeconftest(
+        """
+        import sys
+        def pytest_sessionfinish(session):
+            import os
+            if os.environ.get("SPAWNRUN_CHILD") != "1":
+                open("parent_torch.txt", "w").write(str("torch" in sys.modules))
+        """
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+        @pytest.mark.gpu
+        def test_uses_torch():
+            import torch
+            assert torch.ones(2).sum().item() == 2.0
+        """
+    )
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    assert (pytester.path / "parent_torch.txt").read_text() == "False"
+
+
+@pytest.mark.parametrize(
+    "marker, expected",
+    [
+        ("gpu(timeout='soon')", "*test_bad*timeout='soon'*expected seconds*"),
+        ("gpu(timeout=-1)", "*test_bad*seconds must be >= 0*"),
+        ("gpu(count=-2)", "*test_bad*count=-2*whole number >= 0*"),
+        ("gpu(gpus=2)", "*test_bad*unknown keyword argument(s) gpus*"),
+        ("gpu(2)", "*test_bad*keyword arguments only*"),
+    ],
+)
+def test_bad_marker_arguments_are_usage_errors(pytester, marker, expected):
+    pytester.makepyfile(f"import pytest\n@pytest.mark.{marker}\ndef test_bad():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: {expected}"])
+
+
+def test_conflicting_flags_are_a_usage_error(pytester):
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("--spawn-gpu", "--no-spawn")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--spawn-gpu and --no-spawn cannot be used together*"])
+
+
+def test_capture_no_streams_child_output_live(pytester):
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.gpu\ndef test_x():\n    print('LIVE-FROM-CHILD')\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*LIVE-FROM-CHILD*"])
+
+
+def test_child_module_does_not_import_parent_side():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, spawnrun._child; "
+        "bad = [m for m in ('spawnrun.plugin', 'spawnrun._runner', 'spawnrun._replay', "
+        "'spawnrun._settings', 'torch') if m in sys.modules]; print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert os.environ.get("SPAWNRUN_CHILD") is None or True
