@@ -31,6 +31,9 @@ ACTIVE = False
 DUMP_SIGNAL = signal.SIGUSR1
 
 _MAX_LISTED_IDS = 10
+#: A captured-output section longer than this keeps only its tail, so a test that
+#: prints 100 MB neither floods the pipe nor bloats the parent.
+SECTION_LIMIT = 256 * 1024
 
 
 def main(spec: proto.ChildSpec, conn: Connection) -> None:
@@ -46,6 +49,7 @@ def main(spec: proto.ChildSpec, conn: Connection) -> None:
         os.close(fd)
     stacks = open(spec.stacks_path, "w")  # noqa: SIM115 - lives as long as the process
     _arm_faulthandler(stacks)
+    _name_capture_files(os.path.dirname(spec.stacks_path))
     os.chdir(spec.invocation_dir)
     relay = _Relay(spec, conn, stacks)
     try:
@@ -69,6 +73,25 @@ def main(spec: proto.ChildSpec, conn: Connection) -> None:
         pass  # the parent is gone or no longer listening: nothing left to tell
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def _name_capture_files(directory: str) -> None:
+    """Give pytest's fd-capture buffers names in the child's work directory.
+
+    pytest captures a test's output into anonymous temporary files, which vanish
+    with a crashed child; named ones let the parent show what the test printed just
+    before it died. ``_pytest.capture`` imports ``TemporaryFile`` by name and offers
+    no public way to choose the buffer, hence this one patch.
+    """
+    import _pytest.capture
+
+    serial = iter(range(1_000_000))
+
+    def named(buffering: int = -1, **_: Any) -> Any:
+        path = os.path.join(directory, f"capture-{next(serial)}.out")
+        return open(path, "w+b", buffering=buffering)  # noqa: SIM115
+
+    _pytest.capture.TemporaryFile = named  # type: ignore[assignment]
 
 
 def _arm_faulthandler(stacks: IO[str]) -> None:
@@ -145,6 +168,7 @@ class _Relay:
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.nodeid != self.spec.nodeid:
             return
+        report.sections = [(t, _bounded(c)) for t, c in report.sections]
         data = self.config.hook.pytest_report_to_serializable(
             config=self.config, report=report
         )
@@ -186,6 +210,13 @@ class _Relay:
             lines.append("the child collected no tests")
         lines += self.collect_errors
         return "\n".join(lines)
+
+
+def _bounded(content: str) -> str:
+    if len(content) <= SECTION_LIMIT:
+        return content
+    cut = len(content) - SECTION_LIMIT
+    return f"[spawnrun: {cut} characters cut, the last {SECTION_LIMIT} follow]\n" + content[cut:]
 
 
 def _textify(value: Any) -> Any:

@@ -11,9 +11,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import signal
+import time
 import warnings
 from itertools import count
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,6 +49,24 @@ class Replay:
 
     def fail(self, when: str, text: str, sections: list[tuple[str, str]] | None = None) -> None:
         self.add(_reports.make(self.item, when, "failed", text, sections))
+
+    def died(self, when: str, text: str, sections: list[tuple[str, str]]) -> None:
+        """A failure with no exception behind it: a crash or a timeout.
+
+        xfail applies as to an exception raised in-process: an xfail test (strict or
+        not) is xfailed, unless ``raises=`` names exception types, which a dead
+        process is not one of: then it fails, saying why.
+        """
+        xfailed = _xfail_of(self.item)
+        if xfailed is None:
+            self.fail(when, text, sections)
+        elif xfailed.raises is None:
+            rep = _reports.make(self.item, when, "skipped", text, sections)
+            rep.wasxfail = xfailed.reason  # type: ignore[attr-defined]
+            self.add(rep)
+        else:
+            self.fail(when, f"{text}\n{_reports.XFAIL_RAISES}", sections)
+        self.ensure_teardown()
 
     def pending_phase(self) -> str:
         setup = self.seen.get("setup")
@@ -135,7 +155,10 @@ def _drive(
     try:
         for args in _candidate_args(item):
             child = _start(item, args)
-            msg = child.recv()
+            msg = child.recv(timeout)
+            if msg is None:
+                _report_timeout(replay, child, timeout, "setup (while the child booted)")
+                return None
             if isinstance(msg, proto.Booted) and msg.found:
                 break
             if isinstance(msg, proto.Booted):
@@ -150,7 +173,11 @@ def _drive(
             replay.fail("call", _reports.NOT_FOUND + "\n\n" + "\n\n".join(problems))
             replay.ensure_teardown()
             return None
-        return _stream(child, replay)
+        interrupted = _stream(child, replay, timeout)
+        child.finish()
+        if child.reaped:
+            _warn_reaped(item, replay, child.reaped)
+        return interrupted
     except BaseException:
         if child is not None:
             child.kill()  # Ctrl-C or an internal error: the child must not outlive us
@@ -160,12 +187,19 @@ def _drive(
             child.finish()
 
 
-def _stream(child: _runner.ChildProcess, replay: Replay) -> proto.Interrupted | None:
+def _stream(
+    child: _runner.ChildProcess, replay: Replay, timeout: float | None
+) -> proto.Interrupted | None:
     config = replay.item.config
     interrupted: proto.Interrupted | None = None
     child.go()
+    deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        msg = child.recv()
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        msg = child.recv(remaining)
+        if msg is None:
+            _report_timeout(replay, child, timeout, replay.pending_phase())
+            return None
         if isinstance(msg, proto.Report):
             rep = config.hook.pytest_report_from_serializable(config=config, data=msg.data)
             replay.add(rep)
@@ -195,18 +229,80 @@ def _report_death(replay: Replay, child: _runner.ChildProcess, phase: str) -> No
         if -code == signal.SIGKILL:
             cause += "; the kernel's out-of-memory killer is a common cause"
     else:
-        cause = f"exited with status {code}"
+        cause = f"exited with status {code} before reporting the end of the test"
     text = f"{_reports.DIED} during {phase}: {cause}\nnode id: {replay.item.nodeid}"
+    replay.died(phase, text, _evidence(child))
+
+
+def _report_timeout(
+    replay: Replay, child: _runner.ChildProcess, timeout: float | None, phase: str
+) -> None:
+    # Ask faulthandler in the child for every thread's stack, give it a moment to
+    # write, then take the whole process group down.
+    stacks = Path(child.spec.stacks_path)
+    before = _size(stacks)
+    child.dump_stacks()
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        size = _size(stacks)
+        if size > before:
+            time.sleep(0.1)
+            if _size(stacks) == size:
+                break
+    child.kill()
+    child.finish(grace=5.0)
+    text = f"{_reports.TIMEOUT} (>{timeout:g} s) during {phase}\nnode id: {replay.item.nodeid}"
+    replay.died(phase.split(" ")[0], text, _evidence(child))
+
+
+def _evidence(child: _runner.ChildProcess) -> list[tuple[str, str]]:
+    """What a person needs to debug a dead or stuck child: stacks and output tails."""
     sections = []
-    stacks = _tail(Path(child.spec.stacks_path))
+    workdir = Path(child.spec.stacks_path).parent
+    stacks = _tail(workdir / "stacks.txt")
     if stacks:
-        sections.append(("spawnrun: Python stacks of the child when it died", stacks))
+        sections.append((_reports.STACKS, stacks))
+    captured = [_tail(p) for p in sorted(workdir.glob("capture-*.out"))]
+    captured = [c for c in captured if c]
+    if captured:
+        sections.append((_reports.CAPTURED, "\n".join(captured)))
     if child.spec.log_path:
         out = _tail(Path(child.spec.log_path))
         if out:
-            sections.append(("spawnrun: child output (tail)", out))
-    replay.fail(phase, text, sections)
-    replay.ensure_teardown()
+            sections.append((_reports.OUTPUT, out))
+    if child.reaped:
+        sections.append(("spawnrun", _reports.REAPED.format(n=child.reaped)))
+    return sections
+
+
+def _warn_reaped(item: pytest.Item, replay: Replay, n: int) -> None:
+    text = _reports.REAPED.format(n=n)
+    if replay.held is not None:
+        replay.held.sections.append(("spawnrun", text))
+    wm = warnings.WarningMessage(
+        _reports.SpawnrunWarning(text), _reports.SpawnrunWarning, str(item.path), 0
+    )
+    item.ihook.pytest_warning_recorded.call_historic(
+        kwargs=dict(warning_message=wm, when="runtest", nodeid=item.nodeid, location=None)
+    )
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _xfail_of(item: pytest.Item) -> Any:
+    # pytest evaluates xfail conditions in _pytest.skipping and has no public API for
+    # it; the parent needs the verdict to judge a crash as pytest would an exception.
+    if item.config.option.runxfail:
+        return None
+    from _pytest.skipping import evaluate_xfail_marks
+
+    return evaluate_xfail_marks(item)
 
 
 def _tail(path: Path) -> str:

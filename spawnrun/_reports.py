@@ -12,6 +12,19 @@ NO_CALL = "spawnrun: the spawned child ended without a call report for this test
 NO_TEARDOWN = "spawnrun: the spawned child ended without a teardown report"
 DIED = "spawnrun: the child process running this test died"
 CHILD_NOTES = "spawnrun: child notes"
+TIMEOUT = "Timeout"
+REAPED = "spawnrun: reaped {n} process(es) left behind by this test"
+STACKS = "spawnrun: Python stacks of all threads of the child"
+CAPTURED = "spawnrun: output the test printed before the end (tail)"
+OUTPUT = "spawnrun: child process stdout/stderr (tail)"
+XFAIL_RAISES = (
+    "spawnrun: the test is marked xfail(raises=...), and the death of a process "
+    "is no exception of those types"
+)
+
+
+class SpawnrunWarning(pytest.PytestWarning):
+    """Something spawnrun did on a test's behalf that its author should know."""
 
 
 def make(

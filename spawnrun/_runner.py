@@ -108,6 +108,57 @@ def _environ(overrides: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+#: Children alive right now, so a SIGTERM to the parent can take them down too.
+LIVE: set[ChildProcess] = set()
+
+#: How long processes left behind by a test get between SIGTERM and SIGKILL.
+REAP_GRACE = 2.0
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids in process group or session ``pgid`` (Linux /proc), excluding zombies."""
+    members = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        # Fields after the parenthesized command: state ppid pgrp session ...
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields[0] != "Z" and pgid in (int(fields[2]), int(fields[3])):
+            members.append(int(entry.name))
+    return members
+
+
+def reap(pgid: int, grace: float = REAP_GRACE) -> int:
+    """End every process left in the child's group or session; return how many there were."""
+    deadline = time.monotonic() + 0.3
+    members = group_members(pgid)
+    while members and time.monotonic() < deadline:
+        time.sleep(0.02)  # let processes that are already on their way out finish
+        members = group_members(pgid)
+    if not members:
+        return 0
+    for pid in members:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and group_members(pgid):
+        time.sleep(0.05)
+    for pid in group_members(pgid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return len(members)
+
+
+def kill_all_live() -> None:
+    for child in list(LIVE):
+        child.kill()
+
+
 class Died:
     """The child's pipe ended before its ``Done``."""
 
@@ -128,9 +179,13 @@ class ChildProcess:
         with _environ({CHILD_ENV: "1", **env}):
             self.proc.start()
         child_conn.close()
+        LIVE.add(self)
         self.pid: int = self.proc.pid  # type: ignore[assignment]
         self.started = time.monotonic()
         self.exitcode: int | None = None
+        #: How many processes the test left behind (known after ``finish``).
+        self.reaped = 0
+        self.killed_others = 0
 
     def recv(self, timeout: float | None = None) -> proto.Message | Died | None:
         """Next message; ``DIED`` once the child is gone; None on timeout."""
@@ -173,7 +228,12 @@ class ChildProcess:
         self.exitcode = self.proc.exitcode
         self.proc.close()
         self.proc = None
+        LIVE.discard(self)
+        self.reaped = reap(self.pid) + self.killed_others
         return self.exitcode
 
     def kill(self) -> None:
+        if self.proc is not None and self.exitcode is None:
+            # Count what the test left behind before the group dies with the child.
+            self.killed_others = len([p for p in group_members(self.pid) if p != self.pid])
         self.signal_group(signal.SIGKILL)

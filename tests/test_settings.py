@@ -1,0 +1,81 @@
+"""Settings resolution and the option table, without processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from spawnrun import _settings
+
+
+class FakeConfig:
+    def __init__(self, ini: dict[str, str] | None = None, cli: dict[str, object] | None = None):
+        self.ini = ini or {}
+        self.cli = cli or {}
+
+    def getini(self, name: str) -> object:
+        return self.ini.get(name)
+
+    def getoption(self, name: str, default: object = None) -> object:
+        return self.cli.get(name, default)
+
+
+def resolve(ini=None, cli=None, env=None) -> _settings.Settings:
+    return _settings.resolve(FakeConfig(ini, cli), env or {})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "ini, env, cli, expected",
+    [
+        ({}, {}, {}, None),
+        ({"spawn_timeout": "10"}, {}, {}, 10.0),
+        ({"spawn_timeout": "10"}, {"SPAWNRUN_TIMEOUT": "20"}, {}, 20.0),
+        ({"spawn_timeout": "10"}, {"SPAWNRUN_TIMEOUT": "20"}, {"timeout": "30"}, 30.0),
+        ({"spawn_timeout": "10"}, {"SPAWNRUN_TIMEOUT": "none"}, {}, None),
+        ({"spawn_timeout": "10"}, {}, {"timeout": "0"}, None),
+    ],
+)
+def test_timeout_precedence(ini, env, cli, expected):
+    assert resolve(ini, cli, env).timeout == expected
+
+
+def test_spawn_gpu_from_each_source():
+    assert resolve(ini={"spawn_gpu": "true"}).spawn_gpu is True
+    assert resolve(env={"SPAWNRUN_SPAWN_GPU": "1"}).spawn_gpu is True
+    assert resolve(cli={"spawn_gpu": True}).spawn_gpu is True
+    assert resolve().spawn_gpu is False
+
+
+@pytest.mark.parametrize(
+    "ini, env, cli, message",
+    [
+        ({"spawn_timeout": "soon"}, {}, {}, "ini option 'spawn_timeout': expected seconds*"),
+        ({}, {"SPAWNRUN_TIMEOUT": "-3"}, {}, "environment variable SPAWNRUN_TIMEOUT: seconds must be >= 0*"),
+        ({}, {}, {"timeout": "nan"}, "command line option --spawn-timeout: seconds must be >= 0*"),
+        ({"spawn_gpu": "maybe"}, {}, {}, "ini option 'spawn_gpu': expected a boolean*"),
+    ],
+)
+def test_bad_values_name_their_source(ini, env, cli, message):
+    with pytest.raises(pytest.UsageError) as excinfo:
+        resolve(ini, cli, env)
+    assert excinfo.match(message.replace("*", ".*").replace("(", r"\(").replace("'", "'"))
+
+
+def test_pdb_forces_in_process():
+    assert "--pdb given" in resolve(cli={"usepdb": True}).forced_inprocess
+    assert resolve().forced_inprocess == ""
+
+
+def test_help_texts_come_from_one_table(pytester):
+    result = pytester.runpytest_subprocess("--help")
+    text = " ".join(result.stdout.str().split())
+    markers = " ".join(pytester.runpytest_subprocess("--markers").stdout.str().split())
+    for s in _settings.SETTINGS:
+        help_text = " ".join(s.help.split())
+        assert help_text[0].isupper() and not help_text.endswith(".")
+        if s.cli:
+            assert s.cli in text and help_text in text
+        if s.ini:
+            assert f"{s.ini} " in text
+        if s.marker_kwarg:
+            assert f"{s.marker_kwarg}: {help_text}" in markers
+    assert _settings.marker_doc().split(":")[0] in markers
