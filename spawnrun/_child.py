@@ -130,6 +130,19 @@ class _Relay:
         # pytest's own faulthandler plugin points faulthandler at stderr during
         # configure; take it back so crash stacks land where the parent reads them.
         _arm_faulthandler(self.stacks)
+        # The parent prints the replayed reports; the child's terminal reporter stays,
+        # since plugins (pytest-timeout, live logging) write through it, but into a
+        # file of the child's work directory instead of the user's terminal.
+        pm = config.pluginmanager
+        old = pm.get_plugin("terminalreporter")
+        if old is not None:
+            pm.unregister(old)
+            sink = open(  # noqa: SIM115 - lives as long as the process
+                os.path.join(os.path.dirname(self.spec.stacks_path), "terminal.log"),
+                "w",
+                encoding="utf-8",
+            )
+            pm.register(pytest.TerminalReporter(config, sink), "terminalreporter")
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:

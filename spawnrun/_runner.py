@@ -75,8 +75,7 @@ def forwarded_options(config: pytest.Config) -> dict[str, Any]:
 
 
 def plugin_args(config: pytest.Config) -> list[str]:
-    # The child's terminal stays silent: the parent prints the replayed reports.
-    return [f"-p{name}" for name in [*config.option.plugins, "no:terminal"]]
+    return [f"-p{name}" for name in config.option.plugins]
 
 
 def parent_basetemp(config: pytest.Config) -> Path:
@@ -221,19 +220,29 @@ class ChildProcess:
         if self.exitcode is not None or self.proc is None:
             return self.exitcode
         self.conn.close()
-        self.proc.join(grace)
+        self.proc.join(min(grace, 1.0))
+        left = 0
         if self.proc.exitcode is None:
-            self.signal_group(signal.SIGKILL)
+            # A child that does not exit may be waiting for what the test left behind
+            # (multiprocessing joins non-daemonic children at exit): end those first.
+            others = [p for p in group_members(self.pid) if p != self.pid]
+            for pid in others:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGTERM)
+            left = len(others)
+            self.proc.join(grace)
+        if self.proc.exitcode is None:
+            self.kill()
             self.proc.join()
         self.exitcode = self.proc.exitcode
         self.proc.close()
         self.proc = None
         LIVE.discard(self)
-        self.reaped = reap(self.pid) + self.killed_others
+        self.reaped = reap(self.pid) + left + self.killed_others
         return self.exitcode
 
     def kill(self) -> None:
-        if self.proc is not None and self.exitcode is None:
+        if self.proc is not None and self.exitcode is None and not self.killed_others:
             # Count what the test left behind before the group dies with the child.
             self.killed_others = len([p for p in group_members(self.pid) if p != self.pid])
         self.signal_group(signal.SIGKILL)

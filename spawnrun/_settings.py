@@ -74,6 +74,11 @@ class Setting:
     #: How the value reads in help texts and the marker doc line.
     metavar: str = ""
 
+    @property
+    def dest(self) -> str:
+        # Prefixed: other plugins own plain names such as "timeout" (pytest-timeout).
+        return f"spawnrun_{self.name}"
+
 
 SETTINGS: tuple[Setting, ...] = (
     Setting(
@@ -119,6 +124,18 @@ SETTINGS: tuple[Setting, ...] = (
         "killed (0 or none: no limit)",
         metavar="SECONDS",
     ),
+    Setting(
+        name="settle",
+        cli="--spawn-settle",
+        ini="spawn_settle",
+        env="SPAWNRUN_SETTLE",
+        marker_kwarg=None,
+        default=5.0,
+        parse=parse_timeout,
+        help="Seconds to wait at most, after a GPU test's child exits, for NVML to "
+        "report its device memory freed (0: do not wait)",
+        metavar="SECONDS",
+    ),
 )
 
 MARKER_KWARGS = tuple(s.marker_kwarg for s in SETTINGS if s.marker_kwarg)
@@ -143,11 +160,11 @@ def add_options(parser: pytest.Parser) -> None:
         if s.cli is not None:
             if s.parse is parse_bool:
                 group.addoption(
-                    s.cli, action="store_true", default=None, dest=s.name, help=s.help
+                    s.cli, action="store_true", default=None, dest=s.dest, help=s.help
                 )
             else:
                 group.addoption(
-                    s.cli, action="store", default=None, dest=s.name,
+                    s.cli, action="store", default=None, dest=s.dest,
                     metavar=s.metavar, help=s.help,
                 )
         if s.ini is not None:
@@ -160,6 +177,7 @@ class Settings:
     no_spawn: bool
     count: int
     timeout: float | None
+    settle: float | None
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""
 
@@ -179,13 +197,13 @@ def resolve(
         if s.env is not None and environ.get(s.env, "") != "":
             value = s.parse(environ[s.env], f"environment variable {s.env}")
         if s.cli is not None:
-            raw = config.getoption(s.name)
+            raw = config.getoption(s.dest)
             if raw is not None:
                 value = s.parse(raw, f"command line option {s.cli}")
         values[s.name] = value
     # Both on the command line is a contradiction; --no-spawn over an ini or
     # environment spawn_gpu is the debugging escape hatch and wins.
-    if config.getoption("spawn_gpu") and config.getoption("no_spawn"):
+    if config.getoption("spawnrun_spawn_gpu") and config.getoption("spawnrun_no_spawn"):
         raise pytest.UsageError("--spawn-gpu and --no-spawn cannot be used together")
     forced = ""
     for opt, flag in (("usepdb", "--pdb"), ("trace", "--trace")):

@@ -7,15 +7,24 @@ code lives in ``_runner`` and ``_replay``.
 
 from __future__ import annotations
 
+import signal
+import threading
+from types import FrameType
+
 import pytest
 
 from spawnrun import _child
+from spawnrun import _cudawatch
+from spawnrun import _devices
 from spawnrun import _replay
 from spawnrun import _runner
 from spawnrun import _settings
 
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
 ITEM_KEY = pytest.StashKey[dict]()
+SETTLE_WAITS_KEY = pytest.StashKey[list]()
+#: Waits for device memory longer than this are listed in the terminal summary.
+LONG_SETTLE = 1.0
 
 
 @pytest.hookimpl
@@ -29,6 +38,41 @@ def pytest_configure(config: pytest.Config) -> None:
     if _child.ACTIVE:
         return
     config.stash[SETTINGS_KEY] = _settings.resolve(config)
+    config.stash[SETTLE_WAITS_KEY] = []
+    _cudawatch.watch()
+    _install_sigterm(config)
+
+
+def _install_sigterm(config: pytest.Config) -> None:
+    # Python dies on SIGTERM without running any cleanup, which would orphan the
+    # children (each leads its own session). Turn it into an interrupt instead,
+    # unless someone else already handles SIGTERM.
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        _runner.kill_all_live()
+        raise KeyboardInterrupt("SIGTERM")
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    config.add_cleanup(lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+
+@pytest.hookimpl
+def pytest_collectstart() -> None:
+    # torch may first be imported by a test module: watch its CUDA init from then on.
+    _cudawatch.watch()
+
+
+@pytest.hookimpl
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    waits = terminalreporter.config.stash.get(SETTLE_WAITS_KEY, [])
+    if waits:
+        terminalreporter.section("spawnrun: waits for device memory")
+        for nodeid, seconds in waits:
+            terminalreporter.write_line(f"{seconds:.1f}s after {nodeid}")
 
 
 @pytest.hookimpl
@@ -72,5 +116,31 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if overrides is None:  # collected without our modifyitems (e.g. by another plugin)
         overrides = _settings.marker_overrides(item)
     timeout = overrides.get("timeout", settings.timeout)
+    # Tests spawned only because of --spawn-gpu ask for no device.
+    marked = item.get_closest_marker(_settings.MARKER) is not None
+    uses_device = marked and overrides.get("count", settings.count) > 0
+    _cudawatch.check(config)
+    baseline = _devices.used_memory() if uses_device and settings.settle else None
     _replay.run_spawned(item, nextitem, timeout)
+    if baseline:
+        waited = _devices.settle(baseline, settings.settle or 0.0)
+        if waited > LONG_SETTLE:
+            config.stash[SETTLE_WAITS_KEY].append((item.nodeid, waited))
     return True
+
+
+def _spawns(item: pytest.Item) -> bool:
+    settings = item.config.stash.get(SETTINGS_KEY, None)
+    return settings is not None and _should_spawn(item, settings)
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_set_timer(item: pytest.Item) -> bool | None:
+    # pytest-timeout in the parent would fire its alarm inside spawnrun's own wait;
+    # the child runs pytest-timeout for the test itself, so the parent stands aside.
+    return True if _spawns(item) else None
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
+    return True if _spawns(item) else None

@@ -16,7 +16,7 @@ class FakeConfig:
         return self.ini.get(name)
 
     def getoption(self, name: str, default: object = None) -> object:
-        return self.cli.get(name, default)
+        return self.cli.get(name.removeprefix("spawnrun_"), default)
 
 
 def resolve(ini=None, cli=None, env=None) -> _settings.Settings:

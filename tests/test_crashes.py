@@ -1,0 +1,367 @@
+"""Crashes, hangs, orphans, interrupts and huge output: every end becomes a precise report."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from spawnrun import _reports
+
+NO_INTERNAL = "*INTERNALERROR*"
+
+KINDS = {
+    "segfault": ("os.kill(os.getpid(), signal.SIGSEGV)", "killed by signal SIGSEGV (11)", True),
+    "abort": ("os.abort()", "killed by signal SIGABRT (6)", True),
+    "exit": ("os._exit(7)", "exited with status 7 before reporting the end of the test", False),
+    "sigkill": (
+        "os.kill(os.getpid(), signal.SIGKILL)",
+        "killed by signal SIGKILL (9); the kernel's out-of-memory killer is a common cause",
+        False,
+    ),
+}
+PHASES = ("setup", "call", "teardown")
+
+
+def _matrix_source() -> str:
+    lines = [
+        "import os, signal",
+        "import pytest",
+        "pytestmark = pytest.mark.gpu",
+        "KINDS = " + repr({k: v[0] for k, v in KINDS.items()}),
+        "def die(kind):",
+        "    print('last words of', kind)",
+        "    exec(KINDS[kind])",
+        "@pytest.fixture",
+        "def crash(request):",
+        "    phase, kind = request.param",
+        "    if phase == 'setup':",
+        "        die(kind)",
+        "    yield (phase, kind)",
+        "    if phase == 'teardown':",
+        "        die(kind)",
+        "@pytest.mark.parametrize('crash', [(p, k) for p in "
+        + repr(PHASES)
+        + " for k in "
+        + repr(tuple(KINDS))
+        + "], indirect=True, ids=lambda pk: '-'.join(pk))",
+        "def test_crash(crash):",
+        "    if crash[0] == 'call':",
+        "        die(crash[1])",
+        "def test_after_the_crashes():",
+        "    pass",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_crash_matrix(outcomes, pytester):
+    pytester.makepyfile(test_matrix=_matrix_source())
+    result, seen = outcomes.run("-rA")
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    # setup crashes are errors; call crashes failures; teardown crashes keep the
+    # passed call and add an error. The session goes on to the last test.
+    result.assert_outcomes(passed=len(KINDS) + 1, failed=len(KINDS), errors=2 * len(KINDS))
+    out = result.stdout.str()
+    for phase in PHASES:
+        for kind, (_, cause, has_stack) in KINDS.items():
+            nodeid = f"test_matrix.py::test_crash[{phase}-{kind}]"
+            mine = [s for s in seen if s[0] == nodeid]
+            # Exactly one failed report, on the phase that died; nothing lost.
+            assert [s[1] for s in mine if s[2] == "failed"] == [phase], mine
+            assert [s[1] for s in mine] == (
+                ["setup", "teardown"] if phase == "setup" else ["setup", "call", "teardown"]
+            )
+            assert f"{_reports.DIED} during {phase}: {cause}\nnode id: {nodeid}" in out
+    result.stdout.fnmatch_lines([f"*{_reports.STACKS}*", "*line * in die*", "*line * in test_crash*"])
+    result.stdout.fnmatch_lines([f"*{_reports.CAPTURED}*", "last words of segfault"])
+    assert out.count(_reports.STACKS) == 2 * len(PHASES)  # segfault and abort have stacks
+
+
+@pytest.mark.parametrize(
+    "marker, expected",
+    [
+        ("@pytest.mark.xfail(reason='crashes')", {"xfailed": 1}),
+        ("@pytest.mark.xfail(strict=True, reason='crashes')", {"xfailed": 1}),
+        ("@pytest.mark.xfail(raises=ValueError)", {"failed": 1}),
+    ],
+    ids=["non-strict", "strict", "raises"],
+)
+def test_crash_under_xfail_matches_in_process_exception_rule(pytester, marker, expected):
+    pytester.makepyfile(
+        f"import os, pytest\n@pytest.mark.gpu\n{marker}\ndef test_x():\n    os.abort()\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    result.assert_outcomes(**expected)
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    if "failed" in expected:
+        result.stdout.fnmatch_lines([f"*{_reports.XFAIL_RAISES}*"])
+
+
+def test_timeout_dumps_stacks_then_kills(pytester):
+    pytester.makepyfile(
+        """
+        import threading, time
+        import pytest
+
+        def helper_thread_body():
+            time.sleep(60)
+
+        def wait_for_gpu_that_never_answers():
+            time.sleep(60)
+
+        @pytest.mark.gpu(timeout=1)
+        def test_hangs():
+            threading.Thread(target=helper_thread_body, daemon=True).start()
+            wait_for_gpu_that_never_answers()
+
+        @pytest.mark.gpu
+        def test_uses_cli_timeout():
+            time.sleep(60)
+
+        @pytest.mark.gpu(timeout=0)
+        def test_marker_disables_limit():
+            time.sleep(1.5)
+
+        @pytest.mark.gpu(timeout=30)
+        @pytest.mark.timeout(1)
+        def test_pytest_timeout_inside_child():
+            time.sleep(60)
+        """
+    )
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-timeout", "1.2")
+    assert time.monotonic() - start < 40
+    result.assert_outcomes(failed=3, passed=1)
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_hangs _*",
+            "Timeout (>1 s) during call",
+            f"*{_reports.STACKS}*",
+            "*in helper_thread_body*",
+            "*in wait_for_gpu_that_never_answers*",
+            "*in test_hangs*",
+            "*_ test_uses_cli_timeout _*",
+            "Timeout (>1.2 s) during call",
+            "*_ test_pytest_timeout_inside_child _*",
+            "*Failed: Timeout*",
+        ]
+    )
+
+
+ORPHANS = """
+import json, multiprocessing, os, subprocess, sys, time
+import pytest
+
+def sleeper():
+    time.sleep(300)
+
+@pytest.mark.gpu{args}
+def test_leaves_processes_behind():
+    a = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    b = multiprocessing.get_context("spawn").Process(target=sleeper)
+    b.start()
+    with open("pids.json", "w") as f:
+        json.dump([a.pid, b.pid], f)
+    {end}
+"""
+
+
+@pytest.mark.parametrize(
+    "args, end, outcome",
+    [("", "pass", {"passed": 1}), ("(timeout=3)", "time.sleep(300)", {"failed": 1})],
+    ids=["normal-end", "timeout"],
+)
+def test_no_orphans_survive(pytester, args, end, outcome):
+    pytester.makepyfile(test_orphans=ORPHANS.format(args=args, end=end))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA")
+    result.assert_outcomes(**outcome)
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    pids = json.loads((pytester.path / "pids.json").read_text())
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
+    assert alive == []
+    result.stdout.fnmatch_lines([f"*{_reports.REAPED.format(n=2)}*"])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupting_the_parent_ends_children(pytester, signum):
+    pytester.makepyfile(
+        """
+        import json, os, subprocess, sys, time
+        import pytest
+
+        @pytest.mark.gpu
+        def test_long():
+            grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+            with open("started.json", "w") as f:
+                json.dump([os.getpid(), grandchild.pid], f)
+            time.sleep(300)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    started = pytester.path / "started.json"
+    deadline = time.monotonic() + 60
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)
+    pids = json.loads(started.read_text())
+    sent = time.monotonic()
+    proc.send_signal(signum)
+    out, _ = proc.communicate(timeout=30)
+    assert time.monotonic() - sent < 10
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED
+    assert "KeyboardInterrupt" in out
+    assert "INTERNALERROR" not in out
+    time.sleep(0.5)
+    assert [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"] == []
+
+
+def test_huge_output_is_bounded(pytester):
+    pytester.makeconftest(
+        """
+        import os, resource
+        def pytest_sessionfinish(session):
+            if os.environ.get("SPAWNRUN_CHILD") != "1":
+                rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                open("parent_rss_kib.txt", "w").write(str(rss))
+        """
+    )
+    pytester.makepyfile(
+        """
+        import os, sys
+        import pytest
+        CHUNK = "x" * (1 << 20)
+
+        @pytest.mark.gpu
+        def test_floods_and_fails():
+            for _ in range(50):
+                sys.stdout.write(CHUNK)
+            for _ in range(50):
+                os.write(2, CHUNK.encode())
+            print("THE-END-OF-STDOUT")
+            assert False
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*characters cut, the last*", "*THE-END-OF-STDOUT"])
+    assert len(result.stdout.str()) < 2 * 1024 * 1024
+    assert int((pytester.path / "parent_rss_kib.txt").read_text()) < 150 * 1024
+
+
+def test_unpicklable_report_content_degrades_to_text(pytester):
+    pytester.makepyfile(
+        """
+        import threading
+        import pytest
+
+        @pytest.mark.gpu
+        def test_odd_property(record_property):
+            record_property("lock", threading.Lock())
+            assert False
+        """
+    )
+    xml = pytester.path / "out.xml"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--junitxml={xml}")
+    result.assert_outcomes(failed=1)
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    assert "unlocked _thread.lock object" in xml.read_text()
+
+
+FAKE_TORCH = {
+    "torch/__init__.py": "from torch import cuda\n__file__ = __file__\n",
+    "torch/cuda.py": (
+        "_init = False\n"
+        "def is_initialized():\n    return _init\n"
+        "def _lazy_init():\n    global _init\n    _init = True\n"
+        "def device_count():\n    return 1\n"
+        "def memory_reserved(i):\n    return 3 * 2**20\n"
+        "def zeros(n):\n    _lazy_init()\n    return [0] * n\n"
+    ),
+}
+
+
+def test_warns_when_cuda_was_initialized_in_parent(pytester):
+    for name, text in FAKE_TORCH.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    pytester.makeconftest("import torch\n")
+    pytester.makepyfile(
+        test_uses_cuda_at_import="""
+        import pytest
+        import torch
+        BUFFER = torch.cuda.zeros(4)  # initializes "CUDA" during collection
+
+        @pytest.mark.gpu
+        def test_spawned():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*SpawnrunWarning: spawnrun: CUDA was initialized in the pytest parent process,"
+            " by *test_uses_cuda_at_import.py:3 in <module>; it holds 3 MiB*"
+        ]
+    )
+
+
+FAKE_NVML = """
+import json, os, time
+STATE = os path placeholder
+def nvmlInit(): pass
+def nvmlDeviceGetCount(): return 1
+def nvmlDeviceGetHandleByIndex(i): return i
+class _Mem:
+    def __init__(self, used): self.used = used
+def nvmlDeviceGetMemoryInfo(handle):
+    try:
+        with open(STATE) as f:
+            release_at = float(f.read())
+    except (OSError, ValueError):
+        return _Mem(100)
+    return _Mem(100 if time.time() >= release_at else 100 + 2**30)
+"""
+
+
+def test_waits_for_device_memory_to_settle(pytester, monkeypatch):
+    state = pytester.path / "release_at.txt"
+    pytester.makepyfile(pynvml=FAKE_NVML.replace("os path placeholder", repr(str(state))))
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path), prepend=":")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pytester.makepyfile(
+        test_gpu=f"""
+        import time
+        import pytest
+
+        @pytest.mark.gpu
+        def test_frees_late():
+            # Memory shows as used until 1.5 s after the test, as a slow driver would.
+            open({str(state)!r}, "w").write(str(time.time() + 1.5))
+
+        @pytest.mark.gpu(count=0)
+        def test_no_device_no_wait():
+            open({str(state)!r}, "w").write(str(time.time() + 60))
+        """
+    )
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-settle", "4")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(
+        ["*spawnrun: waits for device memory*", "1.* after test_gpu.py::test_frees_late"]
+    )
+    result.stdout.no_fnmatch_line("*after test_gpu.py::test_no_device_no_wait*")
+    assert time.monotonic() - start < 30
