@@ -1,6 +1,10 @@
 """spawnrun: run GPU tests each in a fresh ``multiprocessing`` spawn child.
 
 Runs in both processes. Keep this module tiny: the child imports it first.
+
+PYTEST_DONT_REWRITE: a spawn child imports this package before pytest configures, so
+pytest would warn that it cannot rewrite it (an error under ``filterwarnings = error``);
+the plugin has no asserts that need rewriting.
 """
 
 from __future__ import annotations

@@ -74,7 +74,8 @@ def test_marker_on_class_module_and_param(pytester):
 
 
 def test_ini_spawn_gpu_spawns_everything(pytester):
-    pytester.makeini("[pytest]\nspawn_gpu = true\n")
+    # filterwarnings = error: the child must not warn while it configures itself.
+    pytester.makeini("[pytest]\nspawn_gpu = true\nfilterwarnings = error\n")
     pytester.makepyfile("import spawnrun\ndef test_x():\n    assert spawnrun.is_child()\n")
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
     # The command line wins over ini.
