@@ -51,5 +51,5 @@ def outcomes(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Outc
 
 @pytest.fixture
 def fakedevice(pytester: pytest.Pytester) -> None:
-    """Make tests/fakedevice.py importable by the inner suite."""
-    pytester.makepyfile(fakedevice=(HERE / "fakedevice.py").read_text())
+    """Make the demo's fork-unsafe fake device importable by the inner suite."""
+    pytester.makepyfile(fakedevice=(HERE.parent / "examples" / "fakedevice.py").read_text())
