@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 
+import fakedevice
 import pytest
 
-import fakedevice
 import spawnrun
 
 #: Holds the pytest parent's pid; spawned children inherit it through the environment.

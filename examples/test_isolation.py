@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 
+import fakedevice
 import pytest
 
-import fakedevice
 import spawnrun
 
 # Set by conftest.py in the parent (not imported from it: several conftest modules

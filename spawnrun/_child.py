@@ -53,20 +53,20 @@ def main(spec: proto.ChildSpec, conn: Connection) -> None:
     os.chdir(spec.invocation_dir)
     relay = _Relay(spec, conn, stacks)
     try:
-        config = pytest.Config.fromdictargs(
-            spec.option_dict, [*spec.plugin_args, *spec.args]
-        )
+        config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.args])
         config.pluginmanager.register(relay, "spawnrun-child")
         config.hook.pytest_cmdline_main(config=config)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         if not relay.booted:
             relay.send(
-                proto.Booted(os.getpid(), False, "error while starting pytest in the "
-                             "child:\n" + traceback.format_exc())
+                proto.Booted(
+                    os.getpid(),
+                    False,
+                    "error while starting pytest in the child:\n" + traceback.format_exc(),
+                )
             )
         elif not relay.interrupted:
-            relay.notes.append("error in the child after the test:\n"
-                               + traceback.format_exc())
+            relay.notes.append("error in the child after the test:\n" + traceback.format_exc())
     try:
         relay.send(proto.Done(relay.notes))
     except OSError:
@@ -91,7 +91,7 @@ def _name_capture_files(directory: str) -> None:
         path = os.path.join(directory, f"capture-{next(serial)}.out")
         return open(path, "w+b", buffering=buffering)  # noqa: SIM115
 
-    _pytest.capture.TemporaryFile = named  # type: ignore[assignment]
+    _pytest.capture.TemporaryFile = named  # type: ignore[attr-defined, assignment]
 
 
 def _arm_faulthandler(stacks: IO[str]) -> None:
@@ -102,9 +102,7 @@ def _arm_faulthandler(stacks: IO[str]) -> None:
 class _Relay:
     """Child-side pytest plugin: finds the test, waits for the go, streams reports."""
 
-    def __init__(
-        self, spec: proto.ChildSpec, conn: Connection, stacks: IO[str]
-    ) -> None:
+    def __init__(self, spec: proto.ChildSpec, conn: Connection, stacks: IO[str]) -> None:
         self.spec = spec
         self.conn = conn
         self.stacks = stacks
@@ -182,9 +180,7 @@ class _Relay:
         if report.nodeid != self.spec.nodeid:
             return
         report.sections = [(t, _bounded(c)) for t, c in report.sections]
-        data = self.config.hook.pytest_report_to_serializable(
-            config=self.config, report=report
-        )
+        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
         self.send(proto.Report(data))
 
     def pytest_warning_recorded(

@@ -23,7 +23,7 @@ def _load() -> Any:
     global _nvml, _nvml_failed
     if _nvml is None and not _nvml_failed:
         try:
-            import pynvml
+            import pynvml  # type: ignore[import-not-found, unused-ignore]
 
             pynvml.nvmlInit()
             _nvml = pynvml

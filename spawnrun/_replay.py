@@ -24,6 +24,8 @@ from spawnrun import _reports
 from spawnrun import _runner
 
 _serial = count(1)
+#: The parent's forwarded options, computed once per run.
+OPTIONS_KEY = pytest.StashKey[dict[str, Any]]()
 _TAIL_BYTES = 8192
 
 
@@ -41,7 +43,7 @@ class Replay:
         self.held: pytest.TestReport | None = None
 
     def add(self, report: pytest.TestReport) -> None:
-        self.seen[report.when] = report  # type: ignore[index]
+        self.seen[report.when] = report
         if report.when == "teardown":
             self.held = report
         else:
@@ -62,7 +64,7 @@ class Replay:
             self.fail(when, text, sections)
         elif xfailed.raises is None:
             rep = _reports.make(self.item, when, "skipped", text, sections)
-            rep.wasxfail = xfailed.reason  # type: ignore[attr-defined]
+            rep.wasxfail = xfailed.reason
             self.add(rep)
         else:
             self.fail(when, f"{text}\n{_reports.XFAIL_RAISES}", sections)
@@ -103,9 +105,7 @@ class Replay:
             self.item.ihook.pytest_runtest_logreport(report=held)
 
 
-def run_spawned(
-    item: pytest.Item, nextitem: pytest.Item | None, timeout: float | None
-) -> None:
+def run_spawned(item: pytest.Item, nextitem: pytest.Item | None, timeout: float | None) -> None:
     ihook = item.ihook
     ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
     replay = Replay(item)
@@ -129,7 +129,7 @@ def _start(item: pytest.Item, args: list[str]) -> _runner.ChildProcess:
     config = item.config
     workdir = _runner.child_dir(config, item.nodeid, next(_serial))
     workdir.mkdir(parents=True, exist_ok=True)
-    options = dict(config.stash[OPTIONS_KEY])
+    options = config.stash[OPTIONS_KEY].copy()
     options["basetemp"] = str(workdir / "tmp")
     live = config.getoption("capture") == "no"
     spec = proto.ChildSpec(
@@ -144,12 +144,7 @@ def _start(item: pytest.Item, args: list[str]) -> _runner.ChildProcess:
     return _runner.ChildProcess(spec, env={})
 
 
-OPTIONS_KEY = pytest.StashKey[dict]()
-
-
-def _drive(
-    item: pytest.Item, replay: Replay, timeout: float | None
-) -> proto.Interrupted | None:
+def _drive(item: pytest.Item, replay: Replay, timeout: float | None) -> proto.Interrupted | None:
     problems: list[str] = []
     child: _runner.ChildProcess | None = None
     try:
@@ -337,16 +332,14 @@ def _replay_warning(item: pytest.Item, rec: proto.WarningRecord) -> None:
     )
 
 
-def _parent_teardown(
-    item: pytest.Item, nextitem: pytest.Item | None
-) -> pytest.TestReport | None:
+def _parent_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> pytest.TestReport | None:
     """Tear the parent's fixture stack down to what ``nextitem`` still needs.
 
     pytest keeps that stack in ``session._setupstate`` and exposes no public API for
     it; without this, in-process tests sharing a module or class with spawned ones
     fail with "previous item was not torn down properly".
     """
-    setupstate = item.session._setupstate  # type: ignore[attr-defined]
+    setupstate = item.session._setupstate
     call = pytest.CallInfo.from_call(
         lambda: setupstate.teardown_exact(nextitem),
         when="teardown",

@@ -142,16 +142,9 @@ MARKER_KWARGS = tuple(s.marker_kwarg for s in SETTINGS if s.marker_kwarg)
 
 
 def marker_doc() -> str:
-    kwargs = ", ".join(
-        f"{s.marker_kwarg}={s.default!r}" for s in SETTINGS if s.marker_kwarg
-    )
-    details = "; ".join(
-        f"{s.marker_kwarg}: {s.help}" for s in SETTINGS if s.marker_kwarg
-    )
-    return (
-        f"{MARKER}({kwargs}): run the test in a fresh spawn child process "
-        f"(spawnrun); {details}"
-    )
+    kwargs = ", ".join(f"{s.marker_kwarg}={s.default!r}" for s in SETTINGS if s.marker_kwarg)
+    details = "; ".join(f"{s.marker_kwarg}: {s.help}" for s in SETTINGS if s.marker_kwarg)
+    return f"{MARKER}({kwargs}): run the test in a fresh spawn child process (spawnrun); {details}"
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -159,13 +152,15 @@ def add_options(parser: pytest.Parser) -> None:
     for s in SETTINGS:
         if s.cli is not None:
             if s.parse is parse_bool:
-                group.addoption(
-                    s.cli, action="store_true", default=None, dest=s.dest, help=s.help
-                )
+                group.addoption(s.cli, action="store_true", default=None, dest=s.dest, help=s.help)
             else:
                 group.addoption(
-                    s.cli, action="store", default=None, dest=s.dest,
-                    metavar=s.metavar, help=s.help,
+                    s.cli,
+                    action="store",
+                    default=None,
+                    dest=s.dest,
+                    metavar=s.metavar,
+                    help=s.help,
                 )
         if s.ini is not None:
             parser.addini(s.ini, help=s.help, default=None)
@@ -182,9 +177,7 @@ class Settings:
     forced_inprocess: str = ""
 
 
-def resolve(
-    config: pytest.Config, environ: Mapping[str, str] | None = None
-) -> Settings:
+def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> Settings:
     """Resolve every setting once: default < ini < environment < command line."""
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}

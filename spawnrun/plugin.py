@@ -10,6 +10,7 @@ from __future__ import annotations
 import signal
 import threading
 from types import FrameType
+from typing import Any
 
 import pytest
 
@@ -21,8 +22,8 @@ from spawnrun import _runner
 from spawnrun import _settings
 
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
-ITEM_KEY = pytest.StashKey[dict]()
-SETTLE_WAITS_KEY = pytest.StashKey[list]()
+ITEM_KEY = pytest.StashKey[dict[str, Any]]()
+SETTLE_WAITS_KEY = pytest.StashKey[list[tuple[str, float]]]()
 #: Waits for device memory longer than this are listed in the terminal summary.
 LONG_SETTLE = 1.0
 
@@ -57,7 +58,11 @@ def _install_sigterm(config: pytest.Config) -> None:
         raise KeyboardInterrupt("SIGTERM")
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    config.add_cleanup(lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+
+    def restore() -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    config.add_cleanup(restore)
 
 
 @pytest.hookimpl

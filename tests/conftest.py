@@ -9,7 +9,7 @@ HERE = Path(__file__).parent
 
 # Records every report the *parent* pytest process sees, so runs can be compared per
 # (node id, phase). Children load the same conftest but never write the file.
-RECORDER = '''
+RECORDER = """
 import json, os
 _seen = []
 
@@ -20,7 +20,7 @@ def pytest_sessionfinish(session):
     if os.environ.get("SPAWNRUN_CHILD") != "1":
         with open(os.environ["SPAWNRUN_TEST_OUTCOMES"], "w") as f:
             json.dump(_seen, f)
-'''
+"""
 
 
 class Outcomes:

@@ -370,13 +370,18 @@ def test_fork_unsafe_device_initialized_in_parent(pytester, fakedevice):
             assert os.waitstatus_to_exitcode(status) == 7
         """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"
+    )
     result.assert_outcomes(passed=4)
 
 
 def test_pdb_runs_in_process_with_one_notice(pytester):
     pytester.makepyfile(
-        "import pytest, spawnrun\n@pytest.mark.gpu\ndef test_x():\n    assert not spawnrun.is_child()\n"
+        "import pytest, spawnrun\n"
+        "@pytest.mark.gpu\n"
+        "def test_x():\n"
+        "    assert not spawnrun.is_child()\n"
     )
     for flag in ("--pdb", "--trace"):
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider", flag)

@@ -9,7 +9,7 @@ import pytest
 from spawnrun import _reports
 
 INNER = textwrap.dedent(
-    '''
+    """
     import logging
     import os
     import sys
@@ -151,7 +151,7 @@ INNER = textwrap.dedent(
 
     def test_where():
         assert spawnrun.is_child() == (os.environ.get("EXPECT_CHILD") == "1")
-    '''
+    """
 )
 
 MODES = {
@@ -215,7 +215,9 @@ def test_junitxml_has_every_test(inner, pytester, monkeypatch):
     pytester.makepyfile(test_inner="import pytest\npytestmark = pytest.mark.gpu\n" + INNER)
     monkeypatch.setenv("EXPECT_CHILD", "1")
     xml = pytester.path / "out.xml"
-    inner.run("--basetemp", str(pytester.path / "bt"), f"--junitxml={xml}", "-o", "junit_logging=all")
+    inner.run(
+        "--basetemp", str(pytester.path / "bt"), f"--junitxml={xml}", "-o", "junit_logging=all"
+    )
     import xml.etree.ElementTree as ET
 
     root = ET.parse(xml).getroot()

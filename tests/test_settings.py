@@ -49,7 +49,12 @@ def test_spawn_gpu_from_each_source():
     "ini, env, cli, message",
     [
         ({"spawn_timeout": "soon"}, {}, {}, "ini option 'spawn_timeout': expected seconds*"),
-        ({}, {"SPAWNRUN_TIMEOUT": "-3"}, {}, "environment variable SPAWNRUN_TIMEOUT: seconds must be >= 0*"),
+        (
+            {},
+            {"SPAWNRUN_TIMEOUT": "-3"},
+            {},
+            "environment variable SPAWNRUN_TIMEOUT: seconds must be >= 0*",
+        ),
         ({}, {}, {"timeout": "nan"}, "command line option --spawn-timeout: seconds must be >= 0*"),
         ({"spawn_gpu": "maybe"}, {}, {}, "ini option 'spawn_gpu': expected a boolean*"),
     ],
