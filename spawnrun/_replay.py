@@ -1,9 +1,12 @@
-"""Run one spawned test from the parent's side and replay its reports through pytest.
+"""One spawned test from the parent's side: drive its child, then replay its reports.
 
-Runs in the parent. The child's reports go through the parent's
-``pytest_runtest_logreport`` as they arrive, so the terminal, ``-x``, junitxml, ``--lf``
-and other plugins see ordinary reports. Every test ends with a setup, (call) and
-teardown report, whatever its child did: missing phases are synthesized as failures.
+Runs in the parent. A ``Job`` reacts to its child's messages (booted, reports,
+warnings, done, death, timeout) and buffers what the child reported. When the child is
+finished, ``Job.replay`` feeds everything through the parent's hooks at once
+(``logstart``, ``logreport`` for each phase, warnings, ``logfinish``), so the terminal,
+``-x``, junitxml, ``--lf`` and other plugins see ordinary reports, also when several
+children run at the same time. Every test ends with a setup, (call) and teardown
+report, whatever its child did: missing phases are synthesized as failures.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import importlib
 import signal
 import time
 import warnings
+from collections.abc import Mapping
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -30,24 +34,19 @@ _TAIL_BYTES = 8192
 
 
 class Replay:
-    """The reports of one test, in pytest's order, with the teardown held back.
-
-    The teardown report waits until the parent has torn down its own fixture stack
-    down to ``nextitem`` (module/class fixtures shared with in-process tests), so a
-    failure there can be reported on this test, as pytest would.
-    """
+    """The reports and warnings of one test, buffered in pytest's order."""
 
     def __init__(self, item: pytest.Item) -> None:
         self.item = item
         self.seen: dict[str, pytest.TestReport] = {}
-        self.held: pytest.TestReport | None = None
+        self.reports: list[pytest.TestReport] = []
+        self.warnings: list[warnings.WarningMessage] = []
+        #: (name, value) pairs added to every report: devices, wall time.
+        self.properties: list[tuple[str, object]] = []
 
     def add(self, report: pytest.TestReport) -> None:
         self.seen[report.when] = report
-        if report.when == "teardown":
-            self.held = report
-        else:
-            self.item.ihook.pytest_runtest_logreport(report=report)
+        self.reports.append(report)
 
     def fail(self, when: str, text: str, sections: list[tuple[str, str]] | None = None) -> None:
         self.add(_reports.make(self.item, when, "failed", text, sections))
@@ -92,30 +91,152 @@ class Replay:
         if "teardown" not in self.seen:
             self.add(_reports.make(self.item, "teardown", "passed"))
 
-    def flush(self, parent_error: pytest.TestReport | None) -> None:
-        held = self.held
-        if parent_error is not None:
-            if held is None or held.passed:
-                held = parent_error
+    def note(self, title: str, text: str) -> None:
+        """A section on the teardown report (the one junitxml and -rA show last)."""
+        teardown = self.seen.get("teardown")
+        if teardown is not None:
+            teardown.sections.append((title, text))
+
+    def emit(self, parent_error: pytest.TestReport | None) -> None:
+        """Feed everything through the parent's hooks, the parent's teardown merged in.
+
+        ``parent_error`` is a failure of the parent's own fixture teardown down to the
+        next test (fixtures shared with in-process tests); pytest would report it on
+        this test's teardown.
+        """
+        item = self.item
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        for report in self.reports:
+            if report.when == "teardown" and parent_error is not None:
+                if report.passed:
+                    report = parent_error
+                else:
+                    report.sections.append(
+                        ("spawnrun: parent teardown error", str(parent_error.longrepr))
+                    )
+            report.user_properties.extend(self.properties)
+            item.ihook.pytest_runtest_logreport(report=report)
+        for wm in self.warnings:
+            item.ihook.pytest_warning_recorded.call_historic(
+                kwargs=dict(warning_message=wm, when="runtest", nodeid=item.nodeid, location=None)
+            )
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
+
+class Job:
+    """A spawned test in flight: its child, its state, its buffered reports."""
+
+    def __init__(
+        self,
+        item: pytest.Item,
+        timeout: float | None,
+        env: Mapping[str, str],
+        parent_error: pytest.TestReport | None,
+    ) -> None:
+        self.item = item
+        self.timeout = timeout
+        self.env = dict(env)
+        self.parent_error = parent_error
+        self.replay = Replay(item)
+        self.candidates = _candidate_args(item)
+        self.problems: list[str] = []
+        self.child: _runner.ChildProcess | None = None
+        self.running = False
+        self.done = False
+        self.interrupted: proto.Interrupted | None = None
+        self.deadline: float | None = None
+        self.started = time.monotonic()
+
+    def start(self) -> None:
+        self.child = _start(self.item, self.candidates.pop(0), self.env)
+        self.running = False
+        self._arm()
+
+    def _arm(self) -> None:
+        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+
+    def on_message(self, msg: proto.Message | _runner.Died) -> None:
+        child = self.child
+        assert child is not None
+        replay = self.replay
+        if isinstance(msg, proto.Booted) and msg.found:
+            child.go()
+            self.running = True
+            self._arm()
+        elif isinstance(msg, proto.Booted):
+            self.problems.append(msg.problem)
+            child.finish()
+            if self.candidates:
+                self.start()
             else:
-                held.sections.append(
-                    ("spawnrun: parent teardown error", str(parent_error.longrepr))
+                replay.add(_reports.make(self.item, "setup", "passed"))
+                replay.fail("call", _reports.NOT_FOUND + "\n\n" + "\n\n".join(self.problems))
+                replay.ensure_teardown()
+                self._finish()
+        elif isinstance(msg, proto.Report):
+            config = self.item.config
+            replay.add(config.hook.pytest_report_from_serializable(config=config, data=msg.data))
+        elif isinstance(msg, proto.WarningRecord):
+            replay.warnings.append(_warning_message(msg))
+        elif isinstance(msg, proto.Interrupted):
+            self.interrupted = msg
+        elif isinstance(msg, proto.Done):
+            if self.interrupted is None:
+                replay.complete()
+                if msg.notes:
+                    replay.note(_reports.CHILD_NOTES, "\n".join(msg.notes))
+            self._finish()
+        else:  # the child died
+            phase = replay.pending_phase() if self.running else "setup"
+            _report_death(replay, child, phase)
+            self._finish()
+
+    def on_timeout(self) -> None:
+        assert self.child is not None
+        phase = self.replay.pending_phase() if self.running else "setup (while the child booted)"
+        _report_timeout(self.replay, self.child, self.timeout, phase)
+        self._finish()
+
+    def abort(self, reason: str) -> None:
+        """End the child now (-x, an interrupt elsewhere); say so on the test."""
+        if self.child is not None:
+            self.child.kill()
+        if self.interrupted is None:
+            skipped = (str(self.item.path), 0, reason)
+            phase = self.replay.pending_phase()
+            self.replay.add(_reports.make(self.item, phase, "skipped", skipped))
+            self.replay.ensure_teardown()
+        self._finish()
+
+    def _finish(self) -> None:
+        child = self.child
+        assert child is not None
+        child.finish()
+        self.done = True
+        self.replay.properties.append(
+            ("spawnrun_wall_s", round(time.monotonic() - self.started, 3))
+        )
+        if child.reaped:
+            text = _reports.REAPED.format(n=child.reaped)
+            self.replay.note("spawnrun", text)
+            self.replay.warnings.append(
+                warnings.WarningMessage(
+                    _reports.SpawnrunWarning(text), _reports.SpawnrunWarning, str(self.item.path), 0
                 )
-        if held is not None:
-            self.item.ihook.pytest_runtest_logreport(report=held)
+            )
 
-
-def run_spawned(item: pytest.Item, nextitem: pytest.Item | None, timeout: float | None) -> None:
-    ihook = item.ihook
-    ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-    replay = Replay(item)
-    interrupted = _drive(item, replay, timeout)
-    if interrupted is not None:
-        if interrupted.keyboard:
-            raise KeyboardInterrupt
-        pytest.exit(interrupted.message, interrupted.returncode)
-    replay.flush(_parent_teardown(item, nextitem))
-    ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+    def replay_and_raise(self) -> None:
+        """Replay what the child reported; re-raise its pytest.exit / KeyboardInterrupt."""
+        if self.interrupted is not None:
+            # As in-process: the reports so far, then the session stops.
+            item = self.item
+            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+            for report in self.replay.reports:
+                item.ihook.pytest_runtest_logreport(report=report)
+            if self.interrupted.keyboard:
+                raise KeyboardInterrupt
+            pytest.exit(self.interrupted.message, self.interrupted.returncode)
+        self.replay.emit(self.parent_error)
 
 
 def _candidate_args(item: pytest.Item) -> list[list[str]]:
@@ -125,7 +246,7 @@ def _candidate_args(item: pytest.Item) -> list[list[str]]:
     return [first] if fallback == first else [first, fallback]
 
 
-def _start(item: pytest.Item, args: list[str]) -> _runner.ChildProcess:
+def _start(item: pytest.Item, args: list[str], env: Mapping[str, str]) -> _runner.ChildProcess:
     config = item.config
     workdir = _runner.child_dir(config, item.nodeid, next(_serial))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -141,76 +262,7 @@ def _start(item: pytest.Item, args: list[str]) -> _runner.ChildProcess:
         log_path=None if live else str(workdir / "output.log"),
         stacks_path=str(workdir / "stacks.txt"),
     )
-    return _runner.ChildProcess(spec, env={})
-
-
-def _drive(item: pytest.Item, replay: Replay, timeout: float | None) -> proto.Interrupted | None:
-    problems: list[str] = []
-    child: _runner.ChildProcess | None = None
-    try:
-        for args in _candidate_args(item):
-            child = _start(item, args)
-            msg = child.recv(timeout)
-            if msg is None:
-                _report_timeout(replay, child, timeout, "setup (while the child booted)")
-                return None
-            if isinstance(msg, proto.Booted) and msg.found:
-                break
-            if isinstance(msg, proto.Booted):
-                problems.append(msg.problem)
-                child.finish()
-                child = None
-                continue
-            _report_death(replay, child, "setup")
-            return None
-        if child is None:
-            replay.add(_reports.make(item, "setup", "passed"))
-            replay.fail("call", _reports.NOT_FOUND + "\n\n" + "\n\n".join(problems))
-            replay.ensure_teardown()
-            return None
-        interrupted = _stream(child, replay, timeout)
-        child.finish()
-        if child.reaped:
-            _warn_reaped(item, replay, child.reaped)
-        return interrupted
-    except BaseException:
-        if child is not None:
-            child.kill()  # Ctrl-C or an internal error: the child must not outlive us
-        raise
-    finally:
-        if child is not None:
-            child.finish()
-
-
-def _stream(
-    child: _runner.ChildProcess, replay: Replay, timeout: float | None
-) -> proto.Interrupted | None:
-    config = replay.item.config
-    interrupted: proto.Interrupted | None = None
-    child.go()
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        msg = child.recv(remaining)
-        if msg is None:
-            _report_timeout(replay, child, timeout, replay.pending_phase())
-            return None
-        if isinstance(msg, proto.Report):
-            rep = config.hook.pytest_report_from_serializable(config=config, data=msg.data)
-            replay.add(rep)
-        elif isinstance(msg, proto.WarningRecord):
-            _replay_warning(replay.item, msg)
-        elif isinstance(msg, proto.Interrupted):
-            interrupted = msg
-        elif isinstance(msg, proto.Done):
-            if interrupted is None:
-                replay.complete()
-                if msg.notes and replay.held is not None:
-                    replay.held.sections.append((_reports.CHILD_NOTES, "\n".join(msg.notes)))
-            return interrupted
-        elif msg is _runner.DIED:
-            _report_death(replay, child, replay.pending_phase())
-            return None
+    return _runner.ChildProcess(spec, env=env)
 
 
 def _report_death(replay: Replay, child: _runner.ChildProcess, phase: str) -> None:
@@ -271,18 +323,6 @@ def _evidence(child: _runner.ChildProcess) -> list[tuple[str, str]]:
     return sections
 
 
-def _warn_reaped(item: pytest.Item, replay: Replay, n: int) -> None:
-    text = _reports.REAPED.format(n=n)
-    if replay.held is not None:
-        replay.held.sections.append(("spawnrun", text))
-    wm = warnings.WarningMessage(
-        _reports.SpawnrunWarning(text), _reports.SpawnrunWarning, str(item.path), 0
-    )
-    item.ihook.pytest_warning_recorded.call_historic(
-        kwargs=dict(warning_message=wm, when="runtest", nodeid=item.nodeid, location=None)
-    )
-
-
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -314,7 +354,7 @@ def _tail(path: Path) -> str:
     return data.strip()
 
 
-def _replay_warning(item: pytest.Item, rec: proto.WarningRecord) -> None:
+def _warning_message(rec: proto.WarningRecord) -> warnings.WarningMessage:
     category: type[Warning] = UserWarning
     with contextlib.suppress(Exception):
         found = importlib.import_module(rec.category_module)
@@ -326,13 +366,10 @@ def _replay_warning(item: pytest.Item, rec: proto.WarningRecord) -> None:
         message: Warning = category(rec.message)
     except Exception:  # noqa: BLE001 - a category with a custom signature
         message = UserWarning(rec.message)
-    wm = warnings.WarningMessage(message, category, rec.filename, rec.lineno)
-    item.ihook.pytest_warning_recorded.call_historic(
-        kwargs=dict(warning_message=wm, when="runtest", nodeid=item.nodeid, location=None)
-    )
+    return warnings.WarningMessage(message, category, rec.filename, rec.lineno)
 
 
-def _parent_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> pytest.TestReport | None:
+def parent_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> pytest.TestReport | None:
     """Tear the parent's fixture stack down to what ``nextitem`` still needs.
 
     pytest keeps that stack in ``session._setupstate`` and exposes no public API for

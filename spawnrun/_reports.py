@@ -5,6 +5,8 @@ Runs in the parent. Message prefixes are constants so tests can import them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 NOT_FOUND = "spawnrun: the spawned child could not find this test"
@@ -31,7 +33,7 @@ def make(
     item: pytest.Item,
     when: str,
     outcome: str,
-    longrepr: str | None = None,
+    longrepr: Any = None,
     sections: list[tuple[str, str]] | None = None,
 ) -> pytest.TestReport:
     return pytest.TestReport(

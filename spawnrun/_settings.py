@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from spawnrun import _devices
+
 MARKER = "gpu"
 
 
@@ -53,6 +55,16 @@ def parse_timeout(value: object, source: str) -> float | None:
     if math.isnan(seconds) or seconds < 0:
         raise pytest.UsageError(f"{source}: seconds must be >= 0, got {value!r}")
     return None if seconds == 0 else seconds
+
+
+def parse_jobs(value: object, source: str) -> int | None:
+    """A positive number of children at once, or auto (None)."""
+    if value is None or str(value).strip().lower() in ("", "auto"):
+        return None
+    text = str(value).strip()
+    if not text.isdigit() or int(text) < 1:
+        raise pytest.UsageError(f"{source}: expected a whole number >= 1 or auto, got {value!r}")
+    return int(text)
 
 
 def parse_count(value: object, source: str) -> int:
@@ -125,6 +137,29 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="SECONDS",
     ),
     Setting(
+        name="gpus",
+        cli="--gpus",
+        ini="spawn_gpus",
+        env="SPAWNRUN_GPUS",
+        marker_kwarg=None,
+        default="auto",
+        parse=_devices.parse_gpus,
+        help="GPUs to hand out: auto (CUDA_VISIBLE_DEVICES, NVML, nvidia-smi), none, "
+        "a count, or ids such as 0,1,3",
+        metavar="GPUS",
+    ),
+    Setting(
+        name="jobs",
+        cli="--spawn-jobs",
+        ini="spawn_jobs",
+        env="SPAWNRUN_JOBS",
+        marker_kwarg=None,
+        default=None,
+        parse=parse_jobs,
+        help="Most spawned tests at once (auto: one per GPU, at least 1; 1 under xdist)",
+        metavar="N",
+    ),
+    Setting(
         name="settle",
         cli="--spawn-settle",
         ini="spawn_settle",
@@ -172,6 +207,8 @@ class Settings:
     no_spawn: bool
     count: int
     timeout: float | None
+    gpus: str
+    jobs: int | None
     settle: float | None
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""

@@ -2,13 +2,15 @@
 
 Runs in the parent (and, inert, in every child: there it only registers the marker
 and options so the child's configuration matches the parent's). Wiring only; process
-code lives in ``_runner`` and ``_replay``.
+code lives in ``_runner``, ``_replay`` and ``_scheduler``.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+from collections.abc import Generator
 from types import FrameType
 from typing import Any
 
@@ -19,13 +21,15 @@ from spawnrun import _cudawatch
 from spawnrun import _devices
 from spawnrun import _replay
 from spawnrun import _runner
+from spawnrun import _scheduler
 from spawnrun import _settings
 
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
+INVENTORY_KEY = pytest.StashKey[_devices.Inventory]()
+SCHEDULER_KEY = pytest.StashKey[_scheduler.Scheduler]()
+#: Per item: the validated marker arguments, and whether it spawns.
 ITEM_KEY = pytest.StashKey[dict[str, Any]]()
-SETTLE_WAITS_KEY = pytest.StashKey[list[tuple[str, float]]]()
-#: Waits for device memory longer than this are listed in the terminal summary.
-LONG_SETTLE = 1.0
+SPAWNS_KEY = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl
@@ -33,13 +37,25 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     _settings.add_options(parser)
 
 
+def _xdist_worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
+
+
 @pytest.hookimpl
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _settings.marker_doc())
     if _child.ACTIVE:
         return
-    config.stash[SETTINGS_KEY] = _settings.resolve(config)
-    config.stash[SETTLE_WAITS_KEY] = []
+    settings = _settings.resolve(config)
+    inventory = _devices.inventory(settings.gpus, os.environ)
+    # Under xdist each worker runs one child at a time; the workers are the parallelism.
+    limit = 1 if _xdist_worker() else settings.jobs or max(1, len(inventory.ids))
+    config.stash[SETTINGS_KEY] = settings
+    config.stash[INVENTORY_KEY] = inventory
+    config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
+        _devices.allocator_for(inventory.ids, os.environ), limit, settings.settle
+    )
+    config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
     _install_sigterm(config)
 
@@ -57,27 +73,11 @@ def _install_sigterm(config: pytest.Config) -> None:
         _runner.kill_all_live()
         raise KeyboardInterrupt("SIGTERM")
 
-    signal.signal(signal.SIGTERM, on_sigterm)
-
     def restore() -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
+    signal.signal(signal.SIGTERM, on_sigterm)
     config.add_cleanup(restore)
-
-
-@pytest.hookimpl
-def pytest_collectstart() -> None:
-    # torch may first be imported by a test module: watch its CUDA init from then on.
-    _cudawatch.watch()
-
-
-@pytest.hookimpl
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    waits = terminalreporter.config.stash.get(SETTLE_WAITS_KEY, [])
-    if waits:
-        terminalreporter.section("spawnrun: waits for device memory")
-        for nodeid, seconds in waits:
-            terminalreporter.write_line(f"{seconds:.1f}s after {nodeid}")
 
 
 @pytest.hookimpl
@@ -90,17 +90,37 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if settings.no_spawn:
         return ["spawnrun: --no-spawn given, every test runs in-process"]
     what = "every test" if settings.spawn_gpu else f"tests marked {_settings.MARKER}"
-    return [f"spawnrun: {what} run in a fresh spawn child"]
+    limit = config.stash[SCHEDULER_KEY].limit
+    return [
+        f"spawnrun: {what} run in a fresh spawn child, up to {limit} at once",
+        config.stash[INVENTORY_KEY].describe(),
+    ]
+
+
+@pytest.hookimpl
+def pytest_collectstart() -> None:
+    # torch may first be imported by a test module: watch its CUDA init from then on.
+    _cudawatch.watch()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Validate every selected test's marker now, so a typo is a usage error before
     # anything runs, not a surprise halfway through a GPU suite.
-    if config.stash.get(SETTINGS_KEY, None) is None:
+    settings = config.stash.get(SETTINGS_KEY, None)
+    if settings is None:
         return
+    available = len(config.stash[INVENTORY_KEY].ids)
     for item in items:
-        item.stash[ITEM_KEY] = _settings.marker_overrides(item)
+        overrides = _settings.marker_overrides(item)
+        item.stash[ITEM_KEY] = overrides
+        spawns = _should_spawn(item, settings)
+        needed = _device_count(item, settings, overrides)
+        if needed > available:
+            # Skipped where it stands, in-process: no child for a test that cannot run.
+            item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPUs, {available} available"))
+            spawns = False
+        item.stash[SPAWNS_KEY] = spawns
 
 
 def _should_spawn(item: pytest.Item, settings: _settings.Settings) -> bool:
@@ -109,43 +129,126 @@ def _should_spawn(item: pytest.Item, settings: _settings.Settings) -> bool:
     return settings.spawn_gpu or item.get_closest_marker(_settings.MARKER) is not None
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-    settings = item.config.stash.get(SETTINGS_KEY, None)
-    if settings is None or not _should_spawn(item, settings):
-        return None
-    config = item.config
-    if _replay.OPTIONS_KEY not in config.stash:
-        config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(config)
-    overrides = item.stash.get(ITEM_KEY, None)
-    if overrides is None:  # collected without our modifyitems (e.g. by another plugin)
-        overrides = _settings.marker_overrides(item)
-    timeout = overrides.get("timeout", settings.timeout)
-    # Tests spawned only because of --spawn-gpu ask for no device.
-    marked = item.get_closest_marker(_settings.MARKER) is not None
-    uses_device = marked and overrides.get("count", settings.count) > 0
-    _cudawatch.check(config)
-    baseline = _devices.used_memory() if uses_device and settings.settle else None
-    _replay.run_spawned(item, nextitem, timeout)
-    if baseline:
-        waited = _devices.settle(baseline, settings.settle or 0.0)
-        if waited > LONG_SETTLE:
-            config.stash[SETTLE_WAITS_KEY].append((item.nodeid, waited))
-    return True
+def _device_count(
+    item: pytest.Item, settings: _settings.Settings, overrides: dict[str, Any]
+) -> int:
+    # Only a gpu marker asks for devices; tests spawned by --spawn-gpu alone ask for none.
+    if item.get_closest_marker(_settings.MARKER) is None:
+        return 0
+    count: int = overrides.get("count", settings.count)
+    return count
 
 
 def _spawns(item: pytest.Item) -> bool:
-    settings = item.config.stash.get(SETTINGS_KEY, None)
-    return settings is not None and _should_spawn(item, settings)
+    spawns = item.stash.get(SPAWNS_KEY, None)
+    if spawns is None:  # collected without our modifyitems (e.g. by another plugin)
+        settings = item.config.stash.get(SETTINGS_KEY, None)
+        spawns = settings is not None and _should_spawn(item, settings)
+    return spawns
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    config = item.config
+    scheduler = config.stash.get(SCHEDULER_KEY, None)
+    if scheduler is None:
+        return None
+    if not _spawns(item):
+        scheduler.pump(block=False)  # replay children that ended meanwhile
+        return None
+    settings = config.stash[SETTINGS_KEY]
+    if _replay.OPTIONS_KEY not in config.stash:
+        config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(config)
+    overrides = item.stash.get(ITEM_KEY, None)
+    if overrides is None:
+        overrides = _settings.marker_overrides(item)
+    _cudawatch.check(config)
+    marked = item.get_closest_marker(_settings.MARKER) is not None
+    scheduler.submit(
+        item,
+        nextitem,
+        timeout=overrides.get("timeout", settings.timeout),
+        count=_device_count(item, settings, overrides),
+        hide_devices=marked,
+    )
+    return True
+
+
+class _AfterEachTest:
+    """Runs after every test's protocol, spawned or not (a wrapper around them all)."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> Generator[None, object, object]:
+        result = yield
+        scheduler = item.config.stash[SCHEDULER_KEY]
+        session = item.session
+        if session.shouldfail or session.shouldstop:
+            scheduler.abort()
+        elif nextitem is None:
+            # The last test: wait for all children now, so the exit status counts them.
+            scheduler.drain()
+        return result
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    scheduler = session.config.stash.get(SCHEDULER_KEY, None)
+    if scheduler is None:
+        return
+    scheduler.kill_all()  # only left after an exception or interrupt
+    # Children finish in any order; the summary lists tests in collection order.
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        order = {item.nodeid: i for i, item in enumerate(session.items)}
+        for reports in reporter.stats.values():
+            reports.sort(key=lambda r: order.get(getattr(r, "nodeid", ""), len(order)))
+
+
+@pytest.hookimpl
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    scheduler = terminalreporter.config.stash.get(SCHEDULER_KEY, None)
+    if scheduler is not None and scheduler.long_settles:
+        terminalreporter.section("spawnrun: waits for device memory")
+        for nodeid, seconds in scheduler.long_settles:
+            terminalreporter.write_line(f"{seconds:.1f}s after {nodeid}")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_report_teststatus(
+    report: pytest.TestReport, config: pytest.Config
+) -> Generator[None, Any, Any]:
+    result = yield
+    # With -v, a spawned test's line names its devices: "PASSED [gpu 1]".
+    devices = dict(getattr(report, "user_properties", ()) or ()).get("spawnrun_devices")
+    if (
+        devices
+        and config.get_verbosity() > 0
+        and result
+        and isinstance(result, tuple)
+        and len(result) == 3
+    ):
+        category, letter, word = result
+        if isinstance(word, tuple) and word[0]:
+            word = (f"{word[0]} [gpu {devices}]", word[1])
+        elif isinstance(word, str) and word:
+            word = f"{word} [gpu {devices}]"
+        result = (category, letter, word)
+    return result
+
+
+def _stands_aside(item: pytest.Item) -> bool:
+    return item.config.stash.get(SETTINGS_KEY, None) is not None and _spawns(item)
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_timeout_set_timer(item: pytest.Item) -> bool | None:
     # pytest-timeout in the parent would fire its alarm inside spawnrun's own wait;
     # the child runs pytest-timeout for the test itself, so the parent stands aside.
-    return True if _spawns(item) else None
+    return True if _stands_aside(item) else None
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_timeout_cancel_timer(item: pytest.Item) -> bool | None:
-    return True if _spawns(item) else None
+    return True if _stands_aside(item) else None

@@ -44,6 +44,19 @@ class Outcomes:
         return result, [tuple(x) for x in seen]
 
 
+@pytest.fixture(autouse=True)
+def declared_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inner runs get two declared GPUs: gpu-marked tests run, two at a time.
+
+    Without an inventory a gpu-marked test is skipped ("needs 1 GPUs, 0 available"),
+    as on any machine without GPUs; CUDA_VISIBLE_DEVICES set for the children is
+    harmless on CPU.
+    """
+    monkeypatch.setenv("SPAWNRUN_GPUS", "0,1")
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_TESTRUNUID", "SPAWNRUN_JOBS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def outcomes(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Outcomes:
     return Outcomes(pytester, monkeypatch)

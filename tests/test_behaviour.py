@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -293,22 +294,28 @@ def test_silent_pass_guard(pytester):
     result.stdout.no_fnmatch_line("PASSED *test_nothing*")
 
 
-def test_exitfirst_stops_after_first_spawned_failure(pytester):
+def test_exitfirst_stops_dispatch_and_reports_running_children(pytester):
     pytester.makepyfile(
         """
+        import time
         import pytest
         pytestmark = pytest.mark.gpu
         def test_one():
             assert False
-        def test_two():
-            assert False
-        def test_three():
-            pass
+        def test_two_still_running():
+            time.sleep(30)
+        def test_three_never_starts():
+            open("three.txt", "w").write("x")
         """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-x")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*stopping after 1 failures*"])
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-x", "-rs")
+    assert time.monotonic() - start < 20
+    result.assert_outcomes(failed=1, skipped=1)
+    result.stdout.fnmatch_lines(
+        ["*stopped while running, because the session stopped*", "*stopping after 1 failures*"]
+    )
+    assert not (pytester.path / "three.txt").exists()
 
 
 @pytest.mark.parametrize(
@@ -330,7 +337,9 @@ def test_interrupt_in_child_stops_session_like_in_process(pytester, body, code, 
             open("ran.txt", "w").write("x")
         """
     )
-    for extra in ([], ["--no-spawn"]):
+    # One child at a time: with more, a test already running when the session stops is
+    # stopped too (and may have started), which in-process pytest cannot show.
+    for extra in (["--spawn-jobs", "1"], ["--no-spawn"]):
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *extra)
         assert result.ret == code
         result.stdout.fnmatch_lines([message])

@@ -369,7 +369,9 @@ def test_waits_for_device_memory_to_settle(pytester, monkeypatch):
         """
     )
     start = time.monotonic()
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-settle", "4")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-settle", "4", "--spawn-jobs", "1"
+    )
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(
         ["*spawnrun: waits for device memory*", "1.* after test_gpu.py::test_frees_late"]
