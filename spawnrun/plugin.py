@@ -171,6 +171,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         count=_device_count(item, settings, overrides),
         hide_devices=marked,
     )
+    if scheduler.limit == 1:
+        # One at a time: the test's reports arrive inside its own protocol, as
+        # pytest-xdist's workers require and as plain pytest would do.
+        scheduler.drain()
     return True
 
 

@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize(
     "tool, args",
     [
-        ("ruff", ["check", "spawnrun", "tests", "examples"]),
-        ("ruff", ["format", "--check", "spawnrun", "tests", "examples"]),
+        ("ruff", ["check", "spawnrun", "tests", "examples", "benchmarks"]),
+        ("ruff", ["format", "--check", "spawnrun", "tests", "examples", "benchmarks"]),
         ("mypy", []),
     ],
     ids=["ruff-check", "ruff-format", "mypy-strict"],

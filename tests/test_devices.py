@@ -1,0 +1,94 @@
+"""Device inventory and allocation as pure logic, without processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from spawnrun import _devices
+
+
+@pytest.mark.parametrize(
+    "visible, expected",
+    [
+        ("0,1", ("0", "1")),
+        ("2", ("2",)),
+        ("", ()),
+        ("GPU-8a7b,GPU-ffee", ("GPU-8a7b", "GPU-ffee")),
+        ("1,-1,3", ("1",)),  # CUDA stops at the first invalid entry
+        ("-1", ()),
+        (" 0 , 3 ", ("0", "3")),
+    ],
+)
+def test_auto_respects_cuda_visible_devices(visible, expected):
+    inv = _devices.inventory("auto", {"CUDA_VISIBLE_DEVICES": visible})
+    assert inv.ids == expected
+    assert "CUDA_VISIBLE_DEVICES" in inv.source
+
+
+@pytest.mark.parametrize(
+    "setting, environ, expected",
+    [
+        ("none", {"CUDA_VISIBLE_DEVICES": "0,1"}, ()),
+        ("0,1,3", {}, ("0", "1", "3")),
+        ("2", {"CUDA_VISIBLE_DEVICES": "4,5,6"}, ("4", "5")),
+        ("2", {"CUDA_VISIBLE_DEVICES": ""}, ("0", "1")),
+    ],
+)
+def test_explicit_settings(setting, environ, expected):
+    assert _devices.inventory(setting, environ).ids == expected
+
+
+@pytest.mark.parametrize("bad", ["0,,1", "a b", ""])
+def test_bad_gpus_value_is_a_usage_error(bad):
+    with pytest.raises(pytest.UsageError, match="--gpus: expected auto, none, a count"):
+        _devices.parse_gpus(bad, "--gpus")
+
+
+def test_header_says_how_devices_were_found():
+    assert _devices.inventory("0,1", {}).describe() == (
+        "spawnrun: 2 GPU(s) [0, 1] (declared with --gpus, trusted as given)"
+    )
+    assert "tests that need one are skipped" in _devices.inventory("none", {}).describe()
+
+
+def test_allocator_hands_out_each_device_once():
+    alloc = _devices.Allocator(("0", "1", "2"))
+    a = alloc.take(2)
+    assert a == ["0", "1"]
+    assert alloc.take(2) is None  # only one left: a two-device test waits
+    b = alloc.take(1)
+    assert b == ["2"]
+    alloc.give_back(a)
+    assert sorted(alloc.take(2) or []) == ["0", "1"]
+    assert alloc.take(0) == []
+
+
+def test_ledger_is_shared_between_processes(tmp_path):
+    mine = _devices.Ledger(("0", "1"), tmp_path)
+    assert mine.take(1) == ["0"]
+    # Another process (a second xdist worker) sees device 0 taken, then takes 1.
+    code = (
+        "import sys; from pathlib import Path; from spawnrun import _devices;"
+        "led = _devices.Ledger(('0', '1'), Path(sys.argv[1]));"
+        "print(led.take(1), led.take(1))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    # It got device 1, then nothing; its entry died with it, so 1 is free again.
+    assert out.stdout.split() == ["['1']", "None"]
+    assert mine.take(1) == ["1"]
+    assert mine.take(1) is None
+    mine.give_back(["0", "1"])
+    assert mine.take(2) == ["0", "1"]
+
+
+def test_ledger_only_under_xdist(tmp_path):
+    assert type(_devices.allocator_for(("0",), {})) is _devices.Allocator
+    env = {"PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_TESTRUNUID": "abc123"}
+    assert isinstance(_devices.allocator_for(("0",), env), _devices.Ledger)
+    assert os.getpid() > 0

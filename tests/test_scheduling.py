@@ -1,0 +1,106 @@
+"""End-to-end scheduling on declared GPUs (``--gpus 0,1``): parallel, exclusive, skips."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+DURATION = 2.0
+
+SUITE = f"""
+import json, os, time
+import pytest
+
+def record(name):
+    start = time.time()
+    devices = os.environ.get("CUDA_VISIBLE_DEVICES")
+    time.sleep({DURATION})
+    with open(f"rec-{{name}}.json", "w") as f:
+        json.dump({{"devices": devices, "start": start, "end": time.time()}}, f)
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(4))
+def test_one_gpu(i):
+    record(f"one{{i}}")
+
+@pytest.mark.gpu(count=2)
+def test_two_gpus():
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "0,1"
+    record("two")
+
+@pytest.mark.gpu(count=3)
+def test_three_gpus():
+    pass
+
+@pytest.mark.gpu(count=0)
+def test_isolated_without_device():
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+"""
+
+
+def _records(path):
+    return {p.stem[4:]: json.loads(p.read_text()) for p in path.glob("rec-*.json")}
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["one-process", "xdist-n2"])
+def test_tests_share_the_declared_gpus(pytester, xdist):
+    pytester.makepyfile(test_sched=SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--gpus", "0,1", "-v", "-rs", *xdist
+    )
+    result.assert_outcomes(passed=6, skipped=1)
+    result.stdout.fnmatch_lines(["*needs 3 GPUs, 2 available*"])
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    if not xdist:  # xdist prints its own lines
+        result.stdout.fnmatch_lines(["*test_one_gpu?0? PASSED ?gpu [01]?*"])
+    recs = _records(pytester.path)
+    ones = [recs[f"one{i}"] for i in range(4)]
+    assert {r["devices"] for r in ones} == {"0", "1"}
+    # Never two tests on one device at the same time; the two-GPU test runs alone.
+    for a, b in itertools.combinations([*ones, recs["two"]], 2):
+        if a["start"] < b["end"] and b["start"] < a["end"]:
+            assert not set(a["devices"].split(",")) & set(b["devices"].split(","))
+    overlapping = sum(
+        1
+        for a, b in itertools.combinations(ones, 2)
+        if a["start"] < b["end"] and b["start"] < a["end"]
+    )
+    assert overlapping >= 2  # they really ran two at a time
+    # Four tests of DURATION on two GPUs: about two durations, not four.
+    span = max(r["end"] for r in ones) - min(r["start"] for r in ones)
+    assert span < 3.2 * DURATION, span
+
+
+def test_gpu_tests_skip_cleanly_without_gpus(pytester, monkeypatch):
+    monkeypatch.setenv("SPAWNRUN_GPUS", "none")
+    pytester.makepyfile(
+        """
+        import pytest
+        @pytest.mark.gpu
+        def test_needs_one():
+            raise AssertionError("must not run")
+        @pytest.mark.gpu(count=0)
+        def test_isolated():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(
+        [
+            "spawnrun: no GPUs (--gpus none); tests that need one are skipped",
+            "*needs 1 GPUs, 0 available*",
+        ]
+    )
+
+
+def test_spawn_jobs_bounds_parallelism(pytester):
+    pytester.makepyfile(test_sched=SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--gpus", "0,1", "--spawn-jobs", "1", "-k", "one_gpu"
+    )
+    result.assert_outcomes(passed=4)
+    ones = sorted(_records(pytester.path).values(), key=lambda r: r["start"])
+    assert all(a["end"] <= b["start"] for a, b in itertools.pairwise(ones))
