@@ -471,3 +471,22 @@ def test_child_module_does_not_import_parent_side():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
     assert os.environ.get("SPAWNRUN_CHILD") is None or True
+
+
+def test_readme_demo_shows_isolation():
+    """The demo suite the README's first command runs: passes, and fails without isolation."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    base = [sys.executable, "-m", "pytest", "examples", "-p", "no:cacheprovider", "--gpus", "2"]
+    env = {k: v for k, v in os.environ.items() if k != "SPAWNRUN_GPUS"}
+    isolated = subprocess.run([*base, "-v"], cwd=root, env=env, capture_output=True, text=True)
+    assert isolated.returncode == 0, isolated.stdout
+    assert "5 passed" in isolated.stdout
+    assert "PASSED [gpu" in isolated.stdout
+    shared = subprocess.run(
+        [*base, "--no-spawn"], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert "2 failed, 3 passed" in shared.stdout, shared.stdout
