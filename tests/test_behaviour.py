@@ -490,3 +490,23 @@ def test_readme_demo_shows_isolation():
         [*base, "--no-spawn"], cwd=root, env=env, capture_output=True, text=True
     )
     assert "2 failed, 3 passed" in shared.stdout, shared.stdout
+
+
+def test_last_failed_sees_replayed_reports(pytester):
+    pytester.makepyfile(
+        """
+        import os, pytest
+        @pytest.mark.gpu
+        def test_flaky():
+            assert os.path.exists("fixed")
+        @pytest.mark.gpu
+        def test_fine():
+            pass
+        """
+    )
+    pytester.runpytest_subprocess().assert_outcomes(failed=1, passed=1)
+    (pytester.path / "fixed").write_text("")
+    result = pytester.runpytest_subprocess("--lf", "-v")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*rerun previous 1 failure*", "*test_flaky PASSED*"])
+    result.stdout.no_fnmatch_line("*test_fine*")

@@ -92,3 +92,19 @@ def test_ledger_only_under_xdist(tmp_path):
     env = {"PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_TESTRUNUID": "abc123"}
     assert isinstance(_devices.allocator_for(("0",), env), _devices.Ledger)
     assert os.getpid() > 0
+
+
+def test_nvidia_smi_is_the_last_resort(tmp_path, monkeypatch):
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        "#!/bin/sh\n"
+        "echo 'GPU 0: NVIDIA H200 (UUID: GPU-a)'\n"
+        "echo 'GPU 1: NVIDIA H200 (UUID: GPU-b)'\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(_devices, "_load", lambda: None)  # no NVML
+    inv = _devices.inventory("auto", {})
+    assert inv == _devices.Inventory(("0", "1"), "from nvidia-smi -L")
+    monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
+    assert _devices.inventory("auto", {}).ids == ()
