@@ -156,7 +156,7 @@ class _Relay:
             self.send(proto.Booted(os.getpid(), False, self._not_found(session)))
             self.booted = True
             return True
-        self.send(proto.Booted(os.getpid(), True))
+        self.send(proto.Booted(os.getpid(), True, device_runtime=_device_runtime()))
         self.booted = True
         try:
             go = self.conn.recv()
@@ -164,6 +164,8 @@ class _Relay:
             return True  # the parent stopped the run before this test's turn
         if not isinstance(go, proto.Go):
             return True
+        # Read by CUDA at its first use, which must not have happened yet.
+        os.environ.update(go.env)
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
         except KeyboardInterrupt:
@@ -219,6 +221,18 @@ class _Relay:
             lines.append("the child collected no tests")
         lines += self.collect_errors
         return "\n".join(lines)
+
+
+def _device_runtime() -> str:
+    """Name the device runtime already initialized in this process, if any."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is not None and cuda.is_initialized():
+            return "torch.cuda"
+    except Exception:  # noqa: BLE001 - a broken torch is not ours to judge
+        pass
+    return ""
 
 
 def _bounded(content: str) -> str:

@@ -76,12 +76,7 @@ def check(config: pytest.Config) -> None:
         "(typically 500 MiB or more) for the whole run. Spawned tests still run "
         "isolated; move the CUDA call into a test or fixture to free that memory."
     )
-    wm = __import__("warnings").WarningMessage(
-        _reports.SpawnrunWarning(text), _reports.SpawnrunWarning, filename, lineno
-    )
-    config.hook.pytest_warning_recorded.call_historic(
-        kwargs=dict(warning_message=wm, when="runtest", nodeid="", location=None)
-    )
+    _reports.record_warning(config, _reports.warning(text, filename, lineno), "")
 
 
 def _reserved_mib(cuda: Any) -> str:

@@ -44,11 +44,16 @@ class Booted:
     found: bool
     #: Why the node id was not found: collection errors, or the ids that were.
     problem: str = ""
+    #: Non-empty when a device runtime (CUDA) got initialized while the child booted:
+    #: then the devices it would get with ``Go`` can no longer apply.
+    device_runtime: str = ""
 
 
 @dataclass(frozen=True)
 class Go:
-    pass
+    #: Environment to set before the test runs (CUDA_VISIBLE_DEVICES of a child that
+    #: was booted ahead, before its devices were known).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

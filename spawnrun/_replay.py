@@ -117,52 +117,88 @@ class Replay:
             report.user_properties.extend(self.properties)
             item.ihook.pytest_runtest_logreport(report=report)
         for wm in self.warnings:
-            item.ihook.pytest_warning_recorded.call_historic(
-                kwargs=dict(warning_message=wm, when="runtest", nodeid=item.nodeid, location=None)
-            )
+            _reports.record_warning(item.config, wm, item.nodeid)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
 
 
 class Job:
-    """A spawned test in flight: its child, its state, its buffered reports."""
+    """A spawned test in flight: its child, its state, its buffered reports.
+
+    A job may be started ahead of its turn (booted ahead): its child imports, configures
+    and collects while other tests run, and waits. ``dispatch`` gives it its devices
+    (sent with the go) when its turn comes; only then does its timeout start.
+    """
 
     def __init__(
         self,
         item: pytest.Item,
         timeout: float | None,
-        env: Mapping[str, str],
-        parent_error: pytest.TestReport | None,
+        env: Mapping[str, str] | None = None,
+        parent_error: pytest.TestReport | None = None,
     ) -> None:
         self.item = item
         self.timeout = timeout
-        self.env = dict(env)
+        #: None until the job is dispatched: its environment is not known before.
+        self.env: dict[str, str] | None = None if env is None else dict(env)
         self.parent_error = parent_error
         self.replay = Replay(item)
         self.candidates = _candidate_args(item)
         self.problems: list[str] = []
         self.child: _runner.ChildProcess | None = None
+        self.booted = False
         self.running = False
         self.done = False
+        #: The child initialized a device runtime while booting ahead: start afresh.
+        self.restart = ""
         self.interrupted: proto.Interrupted | None = None
         self.deadline: float | None = None
         self.started = time.monotonic()
 
+    @property
+    def dispatched(self) -> bool:
+        return self.env is not None
+
     def start(self) -> None:
-        self.child = _start(self.item, self.candidates.pop(0), self.env)
-        self.running = False
+        # A child booted ahead inherits the parent's environment; one started at its
+        # turn gets its devices before its interpreter starts.
+        self.child = _start(self.item, self.candidates.pop(0), self.env or {})
+        self.booted = self.running = False
+        self._arm()
+
+    def dispatch(self, env: Mapping[str, str]) -> None:
+        """Its turn: devices are free. Go now if booted, else as soon as it is."""
+        self.env = dict(env)
+        self.started = time.monotonic()
+        if self.restart:
+            self.candidates = _candidate_args(self.item)
+            self.start()
+        elif self.booted and not self.done:
+            self._go()
+        self._arm()
+
+    def _go(self) -> None:
+        assert self.child is not None and self.env is not None
+        self.child.go(self.env)
+        self.running = True
         self._arm()
 
     def _arm(self) -> None:
-        self.deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        active = self.dispatched and self.timeout is not None
+        self.deadline = time.monotonic() + self.timeout if active else None  # type: ignore[operator]
 
     def on_message(self, msg: proto.Message | _runner.Died) -> None:
         child = self.child
         assert child is not None
         replay = self.replay
         if isinstance(msg, proto.Booted) and msg.found:
-            child.go()
-            self.running = True
-            self._arm()
+            self.booted = True
+            if msg.device_runtime and not self.dispatched:
+                # Its devices would come too late: CUDA is already up in the child.
+                self.restart = msg.device_runtime
+                child.kill()
+                child.finish()
+            elif self.dispatched:
+                self._go()
         elif isinstance(msg, proto.Booted):
             self.problems.append(msg.problem)
             child.finish()
@@ -197,6 +233,9 @@ class Job:
         _report_timeout(self.replay, self.child, self.timeout, phase)
         self._finish()
 
+    def waiting_for_restart(self) -> bool:
+        return bool(self.restart) and not self.dispatched
+
     def abort(self, reason: str) -> None:
         """End the child now (-x, an interrupt elsewhere); say so on the test."""
         if self.child is not None:
@@ -219,11 +258,7 @@ class Job:
         if child.reaped:
             text = _reports.REAPED.format(n=child.reaped)
             self.replay.note("spawnrun", text)
-            self.replay.warnings.append(
-                warnings.WarningMessage(
-                    _reports.SpawnrunWarning(text), _reports.SpawnrunWarning, str(self.item.path), 0
-                )
-            )
+            self.replay.warnings.append(_reports.warning(text, str(self.item.path)))
 
     def replay_and_raise(self) -> None:
         """Replay what the child reported; re-raise its pytest.exit / KeyboardInterrupt."""

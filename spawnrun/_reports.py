@@ -5,6 +5,7 @@ Runs in the parent. Message prefixes are constants so tests can import them.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -27,6 +28,17 @@ XFAIL_RAISES = (
 
 class SpawnrunWarning(pytest.PytestWarning):
     """Something spawnrun did on a test's behalf that its author should know."""
+
+
+def warning(text: str, filename: str, lineno: int = 0) -> warnings.WarningMessage:
+    return warnings.WarningMessage(SpawnrunWarning(text), SpawnrunWarning, filename, lineno)
+
+
+def record_warning(config: pytest.Config, wm: warnings.WarningMessage, nodeid: str) -> None:
+    """Into the warnings summary, as pytest records a warning raised by a test."""
+    config.hook.pytest_warning_recorded.call_historic(
+        kwargs=dict(warning_message=wm, when="runtest", nodeid=nodeid, location=None)
+    )
 
 
 def make(

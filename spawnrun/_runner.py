@@ -200,9 +200,9 @@ class ChildProcess:
                 return DIED
         return DIED
 
-    def go(self) -> None:
+    def go(self, env: Mapping[str, str]) -> None:
         with contextlib.suppress(OSError):
-            self.conn.send(proto.Go())
+            self.conn.send(proto.Go(dict(env)))
 
     def signal_group(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):

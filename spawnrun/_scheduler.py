@@ -28,9 +28,15 @@ import pytest
 
 from spawnrun import _devices
 from spawnrun import _replay
+from spawnrun import _reports
 
 STOPPED = (
     "spawnrun: stopped while running, because the session stopped (-x, --maxfail or an interrupt)"
+)
+RESTARTED = (
+    "spawnrun: booting ahead did not apply to {nodeid}: {runtime} was initialized while its "
+    "child booted (a conftest or test module touches the GPU at import), so its devices are "
+    "set when its child starts, at its turn, instead"
 )
 #: How often a test waiting for devices held by another process looks again.
 _LEDGER_POLL = 0.05
@@ -42,11 +48,16 @@ class Scheduler:
         allocator: _devices.Allocator,
         limit: int,
         settle: float | None,
+        lookahead: int = 0,
     ) -> None:
         self.allocator = allocator
         self.limit = limit
         self.settle = settle
+        self.lookahead = lookahead
         self.running: list[_replay.Job] = []
+        #: Jobs booted ahead of their turn, by node id.
+        self.ahead: dict[str, _replay.Job] = {}
+        self.restart_warned = False
         self.devices: dict[int, list[str]] = {}
         self.baselines: dict[int, dict[str, int] | None] = {}
         #: (node id, seconds) of waits for device memory longer than a second.
@@ -76,35 +87,56 @@ class Scheduler:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         elif hide_devices:
             env["CUDA_VISIBLE_DEVICES"] = ""
-        job = _replay.Job(item, timeout, env, parent_error)
+        job = self.ahead.pop(item.nodeid, None)
+        if job is None:
+            job = _replay.Job(item, timeout, env, parent_error)
+        else:
+            job.parent_error = parent_error
+            job.timeout = timeout
+            if job.restart and not self.restart_warned:
+                self.restart_warned = True
+                _warn(item, RESTARTED.format(nodeid=item.nodeid, runtime=job.restart))
         if devices:
             job.replay.properties.append(("spawnrun_devices", ",".join(devices)))
         self.devices[id(job)] = devices
         self.baselines[id(job)] = _devices.used_memory(devices) if devices and self.settle else None
         try:
-            job.start()
+            if job.child is None:
+                job.start()
+            else:
+                job.dispatch(env)
         except BaseException:
             self._release(job)
             raise
         self.running.append(job)
 
+    def prefetch(self, upcoming: list[tuple[pytest.Item, float | None]]) -> None:
+        """Boot children for the next spawned tests (with their timeouts) ahead of time."""
+        for item, timeout in upcoming[: self.lookahead]:
+            if item.nodeid not in self.ahead and len(self.ahead) < self.lookahead:
+                job = _replay.Job(item, timeout)
+                job.start()
+                self.ahead[item.nodeid] = job
+
     def pump(self, block: bool) -> None:
         """Handle what the children said; replay the tests that ended, in that order."""
-        if not self.running:
-            return
+        listening = [
+            j
+            for j in [*self.running, *self.ahead.values()]
+            if not j.done and j.child is not None and j.child.proc is not None
+        ]
         waitables: dict[Any, _replay.Job] = {}
-        for job in self.running:
+        for job in listening:
             assert job.child is not None
             waitables[job.child.conn] = job
             waitables[job.child.proc.sentinel] = job
         timeout: float | None = 0.0
-        if block:
+        if block and not any(j.done for j in self.running):
             deadlines = [j.deadline for j in self.running if j.deadline is not None]
             timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-        ready = wait(list(waitables), timeout)
+        ready = wait(list(waitables), timeout) if waitables else []
         for job in {id(waitables[r]): waitables[r] for r in ready}.values():
-            while not job.done:
-                assert job.child is not None
+            while not job.done and job.child is not None and job.child.proc is not None:
                 msg = job.child.recv(0)
                 if msg is None:
                     break
@@ -126,6 +158,7 @@ class Scheduler:
 
     def abort(self) -> None:
         """The session stops: end every child, report each test as stopped."""
+        self._drop_ahead()
         jobs, self.running = self.running, []
         for job in jobs:
             job.abort(STOPPED)
@@ -135,12 +168,22 @@ class Scheduler:
 
     def kill_all(self) -> None:
         """Last resort (an exception is unwinding): end every child, report nothing."""
+        self._drop_ahead()
         jobs, self.running = self.running, []
         for job in jobs:
             if job.child is not None:
                 job.child.kill()
                 job.child.finish()
             self._release(job)
+
+    def _drop_ahead(self) -> None:
+        # Children booted for tests that will not run now: end them, report nothing,
+        # as pytest reports nothing for tests after a stop.
+        jobs, self.ahead = list(self.ahead.values()), {}
+        for job in jobs:
+            if job.child is not None:
+                job.child.kill()
+                job.child.finish()
 
     def _release(self, job: _replay.Job) -> None:
         devices = self.devices.pop(id(job), [])
@@ -151,3 +194,7 @@ class Scheduler:
                 self.long_settles.append((job.item.nodeid, waited))
         if devices:
             self.allocator.give_back(devices)
+
+
+def _warn(item: pytest.Item, text: str) -> None:
+    _reports.record_warning(item.config, _reports.warning(text, str(item.path)), item.nodeid)

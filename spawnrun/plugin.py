@@ -30,6 +30,8 @@ SCHEDULER_KEY = pytest.StashKey[_scheduler.Scheduler]()
 #: Per item: the validated marker arguments, and whether it spawns.
 ITEM_KEY = pytest.StashKey[dict[str, Any]]()
 SPAWNS_KEY = pytest.StashKey[bool]()
+#: Node id -> position in session.items, to find the tests after the current one.
+INDEX_KEY = pytest.StashKey[dict[str, int]]()
 
 
 @pytest.hookimpl
@@ -52,8 +54,11 @@ def pytest_configure(config: pytest.Config) -> None:
     limit = 1 if _xdist_worker() else settings.jobs or max(1, len(inventory.ids))
     config.stash[SETTINGS_KEY] = settings
     config.stash[INVENTORY_KEY] = inventory
+    lookahead = settings.lookahead
+    if lookahead is None:
+        lookahead = _settings.default_lookahead()
     config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
-        _devices.allocator_for(inventory.ids, os.environ), limit, settings.settle
+        _devices.allocator_for(inventory.ids, os.environ), limit, settings.settle, lookahead
     )
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
@@ -90,9 +95,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     if settings.no_spawn:
         return ["spawnrun: --no-spawn given, every test runs in-process"]
     what = "every test" if settings.spawn_gpu else f"tests marked {_settings.MARKER}"
-    limit = config.stash[SCHEDULER_KEY].limit
+    scheduler = config.stash[SCHEDULER_KEY]
     return [
-        f"spawnrun: {what} run in a fresh spawn child, up to {limit} at once",
+        f"spawnrun: {what} run in a fresh spawn child, up to {scheduler.limit} at once, "
+        f"{scheduler.lookahead} booted ahead",
         config.stash[INVENTORY_KEY].describe(),
     ]
 
@@ -155,13 +161,12 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return None
     if not _spawns(item):
         scheduler.pump(block=False)  # replay children that ended meanwhile
+        _prefetch(item, nextitem, scheduler)
         return None
     settings = config.stash[SETTINGS_KEY]
     if _replay.OPTIONS_KEY not in config.stash:
         config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(config)
-    overrides = item.stash.get(ITEM_KEY, None)
-    if overrides is None:
-        overrides = _settings.marker_overrides(item)
+    overrides = _overrides(item)
     _cudawatch.check(config)
     marked = item.get_closest_marker(_settings.MARKER) is not None
     scheduler.submit(
@@ -171,11 +176,45 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         count=_device_count(item, settings, overrides),
         hide_devices=marked,
     )
+    _prefetch(item, nextitem, scheduler)
     if scheduler.limit == 1:
         # One at a time: the test's reports arrive inside its own protocol, as
         # pytest-xdist's workers require and as plain pytest would do.
         scheduler.drain()
     return True
+
+
+def _overrides(item: pytest.Item) -> dict[str, Any]:
+    overrides = item.stash.get(ITEM_KEY, None)
+    if overrides is None:  # collected without our modifyitems (e.g. by another plugin)
+        overrides = _settings.marker_overrides(item)
+    return overrides
+
+
+def _prefetch(
+    item: pytest.Item, nextitem: pytest.Item | None, scheduler: _scheduler.Scheduler
+) -> None:
+    """Boot children for the next spawned tests while this one runs."""
+    if not scheduler.lookahead or nextitem is None:
+        return
+    session = item.session
+    if _xdist_worker():
+        # A worker's order is the controller's to decide: only nextitem is known.
+        candidates = [nextitem]
+    else:
+        index = session.config.stash.get(INDEX_KEY, None)
+        if index is None:
+            index = {it.nodeid: i for i, it in enumerate(session.items)}
+            session.config.stash[INDEX_KEY] = index
+        start = index.get(nextitem.nodeid, len(session.items))
+        candidates = session.items[start : start + 4 * scheduler.lookahead]
+    settings = item.config.stash[SETTINGS_KEY]
+    upcoming = [
+        (it, _overrides(it).get("timeout", settings.timeout)) for it in candidates if _spawns(it)
+    ]
+    if _replay.OPTIONS_KEY not in item.config.stash:
+        item.config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(item.config)
+    scheduler.prefetch(upcoming)
 
 
 class _AfterEachTest:

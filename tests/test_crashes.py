@@ -378,3 +378,90 @@ def test_waits_for_device_memory_to_settle(pytester, monkeypatch):
     )
     result.stdout.no_fnmatch_line("*after test_gpu.py::test_no_device_no_wait*")
     assert time.monotonic() - start < 30
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get("SPAWNRUN_TEST_MARK") == marker and proc.status() != "zombie":
+                found.append(proc.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+@pytest.mark.parametrize("how", ["-x", "SIGINT"])
+def test_children_booted_ahead_are_reaped_when_the_run_ends_early(pytester, monkeypatch, how):
+    marker = f"{how}-{time.time()}"
+    monkeypatch.setenv("SPAWNRUN_TEST_MARK", marker)
+    pytester.makepyfile(
+        """
+        import time
+        import pytest
+        pytestmark = pytest.mark.gpu
+
+        def test_first():
+            open("first.started", "w").close()
+            time.sleep(2)
+            assert False
+
+        @pytest.mark.parametrize("i", range(6))
+        def test_later(i):
+            time.sleep(30)
+        """
+    )
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--spawn-jobs", "1"]
+    args += ["--spawn-lookahead", "3", "-x"]
+    proc = subprocess.Popen(args, cwd=pytester.path, stdout=subprocess.PIPE, text=True)
+    if how == "SIGINT":
+        deadline = time.monotonic() + 60
+        while not (pytester.path / "first.started").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert len(_processes_with(marker)) >= 3  # the running child and the booted ones
+        proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert "INTERNALERROR" not in out
+    assert ("1 failed" in out) if how == "-x" else ("KeyboardInterrupt" in out)
+    time.sleep(0.3)
+    assert _processes_with(marker) == []
+
+
+BOOT_TOUCHES_CUDA = {
+    "torch/__init__.py": "from torch import cuda\n",
+    "torch/cuda.py": (
+        "_init = False\n"
+        "def is_initialized():\n    return _init\n"
+        "def _lazy_init():\n    global _init\n    _init = True\n"
+    ),
+}
+
+
+def test_child_that_initializes_cuda_while_booting_gets_devices_at_spawn(pytester):
+    for name, text in BOOT_TOUCHES_CUDA.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    pytester.makeconftest(
+        "import spawnrun, torch\n"
+        "if spawnrun.is_child():\n"
+        "    torch.cuda._lazy_init()  # a conftest that touches the GPU at import\n"
+    )
+    pytester.makepyfile(
+        """
+        import os, time
+        import pytest
+        pytestmark = pytest.mark.gpu
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_sees_its_devices(i):
+            time.sleep(0.5)
+            assert os.environ["CUDA_VISIBLE_DEVICES"] in ("0", "1")
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-lookahead", "2", "-W", "default"
+    )
+    result.assert_outcomes(passed=4, warnings=1)
+    result.stdout.fnmatch_lines(["*booting ahead did not apply to *torch.cuda was initialized*"])

@@ -155,10 +155,14 @@ INNER = textwrap.dedent(
 )
 
 MODES = {
-    "marker": ["-p", "spawnrun.plugin"],
+    "marker": [],
     "spawn-gpu": ["--spawn-gpu"],
     "no-spawn": ["--no-spawn"],
+    # One child at a time, two booted ahead; and no booting ahead at all.
+    "lookahead-2": ["--spawn-jobs", "1", "--spawn-lookahead", "2"],
+    "lookahead-0": ["--spawn-lookahead", "0"],
 }
+MARKED = ("marker", "lookahead-2", "lookahead-0")
 
 
 def _by_test(record):
@@ -173,15 +177,15 @@ def inner(outcomes, pytester, monkeypatch):
 
 def _run(inner, pytester, monkeypatch, mode: str, *extra: str):
     source = INNER
-    if mode == "marker":
+    if mode in MARKED:
         source = "import pytest\npytestmark = pytest.mark.gpu\n" + INNER
     pytester.makepyfile(test_inner=source)
-    monkeypatch.setenv("EXPECT_CHILD", "1" if mode in ("marker", "spawn-gpu") else "0")
-    args = [] if mode in ("plain", "marker") else MODES[mode]
+    monkeypatch.setenv("EXPECT_CHILD", "0" if mode in ("plain", "no-spawn") else "1")
+    args = MODES.get(mode, [])
     return inner.run("--basetemp", str(pytester.path / "bt"), "-rA", *args, *extra)
 
 
-@pytest.mark.parametrize("mode", ["marker", "spawn-gpu", "no-spawn"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_outcomes_match_plain_run(inner, pytester, monkeypatch, mode):
     plain, plain_seen = _run(inner, pytester, monkeypatch, "plain", "-p", "no:spawnrun")
     result, seen = _run(inner, pytester, monkeypatch, mode)
