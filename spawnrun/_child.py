@@ -37,21 +37,8 @@ SECTION_LIMIT = 256 * 1024
 
 
 def main(spec: proto.ChildSpec, conn: Connection) -> None:
-    global ACTIVE
-    ACTIVE = True
-    # Own session and process group: the parent can kill everything the test
-    # started with one killpg, and a Ctrl-C at the terminal reaches only the parent.
-    os.setsid()
-    if spec.log_path is not None:
-        fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    stacks = open(spec.stacks_path, "w")  # noqa: SIM115 - lives as long as the process
-    _arm_faulthandler(stacks)
-    _name_capture_files(os.path.dirname(spec.stacks_path))
+    relay = isolate(spec, conn)
     os.chdir(spec.invocation_dir)
-    relay = _Relay(spec, conn, stacks)
     try:
         config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.args])
         config.pluginmanager.register(relay, "spawnrun-child")
@@ -67,12 +54,25 @@ def main(spec: proto.ChildSpec, conn: Connection) -> None:
             )
         elif not relay.interrupted:
             relay.notes.append("error in the child after the test:\n" + traceback.format_exc())
-    try:
-        relay.send(proto.Done(relay.notes))
-    except OSError:
-        pass  # the parent is gone or no longer listening: nothing left to tell
-    sys.stdout.flush()
-    sys.stderr.flush()
+    relay.finish()
+
+
+def isolate(spec: proto.ChildSpec, conn: Connection) -> _Relay:
+    """Make this process a test's own: session, output, crash stacks, capture buffers."""
+    global ACTIVE
+    ACTIVE = True
+    # Own session and process group: the parent can kill everything the test
+    # started with one killpg, and a Ctrl-C at the terminal reaches only the parent.
+    os.setsid()
+    if spec.log_path is not None:
+        fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    stacks = open(spec.stacks_path, "w")  # noqa: SIM115 - lives as long as the process
+    _arm_faulthandler(stacks)
+    _name_capture_files(os.path.dirname(spec.stacks_path))
+    return _Relay(spec, conn, stacks)
 
 
 def _name_capture_files(directory: str) -> None:
@@ -111,6 +111,8 @@ class _Relay:
         self.collect_errors: list[str] = []
         self.notes: list[str] = []
         self.config: Any = None
+        #: Registered after configure (in a forked child): the session is running.
+        self.late = False
 
     def send(self, msg: proto.Message) -> None:
         try:
@@ -133,7 +135,9 @@ class _Relay:
         # file of the child's work directory instead of the user's terminal.
         pm = config.pluginmanager
         old = pm.get_plugin("terminalreporter")
-        if old is not None:
+        # A reporter swapped in mid-session would lack its session; a forked child's
+        # reporter already writes to the child's own output file.
+        if old is not None and not self.late:
             pm.unregister(old)
             sink = open(  # noqa: SIM115 - lives as long as the process
                 os.path.join(os.path.dirname(self.spec.stacks_path), "terminal.log"),
@@ -148,22 +152,35 @@ class _Relay:
                 f"ERROR collecting {report.nodeid or '.'}\n{report.longreprtext}"
             )
 
+    def finish(self) -> None:
+        try:
+            self.send(proto.Done(self.notes))
+        except OSError:
+            pass  # the parent is gone or no longer listening: nothing left to tell
+        sys.stdout.flush()
+        sys.stderr.flush()
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session: Any) -> bool:
+        self.serve(session)
+        return True
+
+    def serve(self, session: Any) -> None:
+        """Find the test, say so, wait for the go, run it."""
         wanted = self.spec.nodeid
         item = next((i for i in session.items if i.nodeid == wanted), None)
         if item is None:
             self.send(proto.Booted(os.getpid(), False, self._not_found(session)))
             self.booted = True
-            return True
+            return
         self.send(proto.Booted(os.getpid(), True, device_runtime=_device_runtime()))
         self.booted = True
         try:
             go = self.conn.recv()
         except (EOFError, OSError):
-            return True  # the parent stopped the run before this test's turn
+            return  # the parent stopped the run before this test's turn
         if not isinstance(go, proto.Go):
-            return True
+            return
         # Read by CUDA at its first use, which must not have happened yet.
         os.environ.update(go.env)
         try:
@@ -176,7 +193,6 @@ class _Relay:
             self.interrupted = True
             self.send(proto.Interrupted(False, exc.msg, exc.returncode))
             raise
-        return True
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.nodeid != self.spec.nodeid:

@@ -87,3 +87,53 @@ class Done:
 
 
 Message = Booted | Report | WarningRecord | Interrupted | Done
+
+
+# The zygote (``--spawn-method forkserver``) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ZygoteSpec:
+    """How to build the template: the parent's configuration, what to import first."""
+
+    preload: list[str]
+    option_dict: dict[str, Any]
+    plugin_args: list[str]
+    args: list[str]
+    invocation_dir: str
+    log_path: str
+
+
+@dataclass(frozen=True)
+class ZygoteReady:
+    pid: int
+    #: Non-empty when the template could not be built; the run then spawns.
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class ForkRequest:
+    """Fork a child for this test; its end of the pipe follows as a passed handle."""
+
+    spec: ChildSpec
+    env: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Forked:
+    pid: int
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The template will not fork (a device runtime is initialized in it): why."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Exited:
+    """A forked child ended; ``code`` as multiprocessing reports it (-N: signal N)."""
+
+    pid: int
+    code: int

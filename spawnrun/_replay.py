@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from spawnrun import _forkserver
 from spawnrun import _protocol as proto
 from spawnrun import _reports
 from spawnrun import _runner
@@ -30,6 +31,8 @@ from spawnrun import _runner
 _serial = count(1)
 #: The parent's forwarded options, computed once per run.
 OPTIONS_KEY = pytest.StashKey[dict[str, Any]]()
+#: Set with --spawn-method forkserver.
+ZYGOTE_KEY = pytest.StashKey[_forkserver.ZygoteHolder]()
 _TAIL_BYTES = 8192
 
 
@@ -77,14 +80,21 @@ class Replay:
             return "call"
         return "teardown"
 
-    def complete(self) -> None:
-        """After a normal end: a passed setup needs a call report (the silent-pass guard)."""
+    def complete(self, notes: list[str]) -> None:
+        """After a normal end: a passed setup needs a call report (the silent-pass guard).
+
+        ``notes`` are errors the child met outside the test; they explain a missing
+        report, so they go into the failure, else onto the teardown report.
+        """
+        extra = "".join(f"\n\n{_reports.CHILD_NOTES}:\n{n}" for n in notes)
         if "setup" not in self.seen:
-            self.fail("setup", _reports.NO_CALL + " (nor any other report)")
+            self.fail("setup", _reports.NO_CALL + " (nor any other report)" + extra)
         elif self.seen["setup"].passed and "call" not in self.seen:
-            self.fail("call", _reports.NO_CALL)
+            self.fail("call", _reports.NO_CALL + extra)
         elif "teardown" not in self.seen:
-            self.fail("teardown", _reports.NO_TEARDOWN)
+            self.fail("teardown", _reports.NO_TEARDOWN + extra)
+        elif notes:
+            self.note(_reports.CHILD_NOTES, "\n".join(notes))
         self.ensure_teardown()
 
     def ensure_teardown(self) -> None:
@@ -218,9 +228,7 @@ class Job:
             self.interrupted = msg
         elif isinstance(msg, proto.Done):
             if self.interrupted is None:
-                replay.complete()
-                if msg.notes:
-                    replay.note(_reports.CHILD_NOTES, "\n".join(msg.notes))
+                replay.complete(msg.notes)
             self._finish()
         else:  # the child died
             phase = replay.pending_phase() if self.running else "setup"
@@ -297,6 +305,11 @@ def _start(item: pytest.Item, args: list[str], env: Mapping[str, str]) -> _runne
         log_path=None if live else str(workdir / "output.log"),
         stacks_path=str(workdir / "stacks.txt"),
     )
+    holder = config.stash.get(ZYGOTE_KEY, None)
+    if holder is not None:
+        forked = holder.fork(config, spec, env)
+        if forked is not None:
+            return forked
     return _runner.ChildProcess(spec, env=env)
 
 

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from collections.abc import Mapping
 from multiprocessing import get_context
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from spawnrun import CHILD_ENV
 from spawnrun import _child
 from spawnrun import _protocol as proto
 
-_CTX = get_context("spawn")
+CTX = get_context("spawn")
 
 #: Options a child must not inherit: output files, session-level selection and
 #: scheduling belong to the parent; the child runs exactly one given test.
@@ -88,6 +89,11 @@ def parent_basetemp(config: pytest.Config) -> Path:
 def child_dir(config: pytest.Config, nodeid: str, serial: int) -> Path:
     name = re.sub(r"[^\w.-]+", "_", nodeid.rsplit("/", 1)[-1])[:48]
     return parent_basetemp(config) / "spawnrun" / f"{serial:04d}-{name}"
+
+
+def child_environ(overrides: Mapping[str, str]) -> contextlib.AbstractContextManager[None]:
+    """The environment a child starts with: ours, marked as a child's, plus ``overrides``."""
+    return _environ({CHILD_ENV: "1", **overrides})
 
 
 @contextlib.contextmanager
@@ -167,19 +173,25 @@ DIED = Died()
 
 class ChildProcess:
     def __init__(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
-        self.spec = spec
-        self.conn, child_conn = _CTX.Pipe(duplex=True)
-        self.proc: Any = _CTX.Process(
+        conn, child_conn = CTX.Pipe(duplex=True)
+        proc = CTX.Process(
             target=_child.main,
             args=(spec, child_conn),
             name=f"spawnrun {spec.nodeid}",
             daemon=False,
         )
-        with _environ({CHILD_ENV: "1", **env}):
-            self.proc.start()
+        with child_environ(env):
+            proc.start()
         child_conn.close()
+        self._adopt(spec, conn, proc, proc.pid)  # type: ignore[arg-type]
+
+    def _adopt(self, spec: proto.ChildSpec, conn: Connection, proc: Any, pid: int) -> None:
+        self.spec = spec
+        self.conn = conn
+        #: multiprocessing.Process, or what stands in for one (sentinel, join, exitcode).
+        self.proc: Any = proc
+        self.pid = pid
         LIVE.add(self)
-        self.pid: int = self.proc.pid  # type: ignore[assignment]
         self.started = time.monotonic()
         self.exitcode: int | None = None
         #: How many processes the test left behind (known after ``finish``).

@@ -67,6 +67,23 @@ def parse_jobs(value: object, source: str) -> int | None:
     return int(text)
 
 
+def parse_method(value: object, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in ("spawn", "forkserver"):
+        raise pytest.UsageError(f"{source}: expected spawn or forkserver, got {value!r}")
+    return text
+
+
+def parse_modules(value: object, source: str) -> tuple[str, ...]:
+    """Module names separated by spaces, commas or lines."""
+    items = value if isinstance(value, (list, tuple)) else str(value).replace(",", " ").split()
+    names = tuple(str(i).strip() for i in items if str(i).strip())
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise pytest.UsageError(f"{source}: {name!r} is not a module name")
+    return names
+
+
 def parse_lookahead(value: object, source: str) -> int | None:
     """A whole number >= 0 of children booted ahead, or auto (None)."""
     if value is None or str(value).strip().lower() in ("", "auto"):
@@ -196,6 +213,29 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="N",
     ),
     Setting(
+        name="method",
+        cli="--spawn-method",
+        ini="spawn_method",
+        env="SPAWNRUN_METHOD",
+        marker_kwarg=None,
+        default="spawn",
+        parse=parse_method,
+        help="How children start: spawn (a fresh interpreter each) or forkserver (forked "
+        "from a template that imported spawn_preload, guarded against CUDA)",
+        metavar="METHOD",
+    ),
+    Setting(
+        name="preload",
+        cli="--spawn-preload",
+        ini="spawn_preload",
+        env="SPAWNRUN_PRELOAD",
+        marker_kwarg=None,
+        default=(),
+        parse=parse_modules,
+        help="Modules the forkserver template imports first, e.g. torch transformers",
+        metavar="MODULES",
+    ),
+    Setting(
         name="lookahead",
         cli="--spawn-lookahead",
         ini="spawn_lookahead",
@@ -257,6 +297,8 @@ class Settings:
     timeout: float | None
     gpus: str
     jobs: int | None
+    method: str
+    preload: tuple[str, ...]
     lookahead: int | None
     settle: float | None
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".

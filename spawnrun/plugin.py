@@ -19,6 +19,7 @@ import pytest
 from spawnrun import _child
 from spawnrun import _cudawatch
 from spawnrun import _devices
+from spawnrun import _forkserver
 from spawnrun import _replay
 from spawnrun import _runner
 from spawnrun import _scheduler
@@ -37,6 +38,13 @@ INDEX_KEY = pytest.StashKey[dict[str, int]]()
 @pytest.hookimpl
 def pytest_addoption(parser: pytest.Parser) -> None:
     _settings.add_options(parser)
+
+
+@pytest.hookimpl
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from spawnrun import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 def _xdist_worker() -> bool:
@@ -60,6 +68,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
         _devices.allocator_for(inventory.ids, os.environ), limit, settings.settle, lookahead
     )
+    if settings.method == "forkserver":
+        config.stash[_replay.ZYGOTE_KEY] = _forkserver.ZygoteHolder(list(settings.preload))
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
     _install_sigterm(config)
@@ -241,6 +251,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     if scheduler is None:
         return
     scheduler.kill_all()  # only left after an exception or interrupt
+    holder = session.config.stash.get(_replay.ZYGOTE_KEY, None)
+    if holder is not None:
+        holder.close()
     # Children finish in any order; the summary lists tests in collection order.
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:

@@ -161,8 +161,9 @@ MODES = {
     # One child at a time, two booted ahead; and no booting ahead at all.
     "lookahead-2": ["--spawn-jobs", "1", "--spawn-lookahead", "2"],
     "lookahead-0": ["--spawn-lookahead", "0"],
+    "forkserver": ["--spawn-method", "forkserver"],
 }
-MARKED = ("marker", "lookahead-2", "lookahead-0")
+MARKED = ("marker", "lookahead-2", "lookahead-0", "forkserver")
 
 
 def _by_test(record):
