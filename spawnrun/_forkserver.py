@@ -151,23 +151,28 @@ class ZygoteHolder:
         self.zygote: Zygote | None = None
         self.warned = False
 
+    def start(self, config: Any, options: dict[str, Any]) -> None:
+        """Start the template now, so its boot overlaps the parent's own collection."""
+        if self.zygote is not None:
+            return
+        workdir = _runner.parent_basetemp(config) / "spawnrun" / "zygote"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.zygote = Zygote(
+            proto.ZygoteSpec(
+                preload=self.preload,
+                option_dict=dict(options, basetemp=str(workdir / "tmp")),
+                plugin_args=_runner.plugin_args(config),
+                args=[str(a) for a in config.args],
+                invocation_dir=str(config.invocation_params.dir),
+                log_path=str(workdir / "output.log"),
+            )
+        )
+
     def fork(
         self, config: Any, spec: proto.ChildSpec, env: Mapping[str, str]
     ) -> ForkedChild | None:
-        if self.zygote is None:
-            workdir = _runner.parent_basetemp(config) / "spawnrun" / "zygote"
-            workdir.mkdir(parents=True, exist_ok=True)
-            options = dict(spec.option_dict, basetemp=str(workdir / "tmp"))
-            self.zygote = Zygote(
-                proto.ZygoteSpec(
-                    preload=self.preload,
-                    option_dict=options,
-                    plugin_args=spec.plugin_args,
-                    args=[str(a) for a in config.args],
-                    invocation_dir=spec.invocation_dir,
-                    log_path=str(workdir / "output.log"),
-                )
-            )
+        self.start(config, spec.option_dict)
+        assert self.zygote is not None
         child = self.zygote.fork(spec, env)
         if child is None and not self.warned:
             self.warned = True

@@ -22,6 +22,7 @@ import sys
 import traceback
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,8 @@ class _Server:
         self.conn = conn
         self.ready = False
         self.refusal = ""
+        #: pidfd -> pid of each forked child still running: its exit wakes us at once.
+        self.children: dict[int, int] = {}
 
     @pytest.hookimpl
     def pytest_collectstart(self) -> None:
@@ -87,25 +90,23 @@ class _Server:
         self.conn.send(proto.ZygoteReady(os.getpid()))
         self.ready = True
         while True:
-            self._reap()
+            ready = wait([self.conn, *self.children])
+            for fd in [r for r in ready if r in self.children]:
+                self._reap(fd)
+            if self.conn not in ready:
+                continue
             try:
-                if not self.conn.poll(0.05):
-                    continue
                 request = self.conn.recv()
             except (EOFError, OSError):
                 return True  # the parent is done with us
             if isinstance(request, proto.ForkRequest):
                 self._fork(request, reduction.recv_handle(self.conn), session)
 
-    def _reap(self) -> None:
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            self.conn.send(proto.Exited(pid, os.waitstatus_to_exitcode(status)))
+    def _reap(self, pidfd: int) -> None:
+        pid = self.children.pop(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        self.conn.send(proto.Exited(pid, os.waitstatus_to_exitcode(status)))
 
     def _fork(self, request: proto.ForkRequest, fd: int, session: pytest.Session) -> None:
         if not self.refusal:
@@ -118,8 +119,9 @@ class _Server:
             return
         pid = os.fork()
         if pid == 0:
-            _forked_child(request, fd, session, self.conn)
+            _forked_child(request, fd, session, self.conn, list(self.children))
         os.close(fd)
+        self.children[os.pidfd_open(pid)] = pid
         self.conn.send(proto.Forked(pid))
 
 
@@ -129,11 +131,17 @@ def _fork_unsafe_by_plugins(config: pytest.Config) -> str:
 
 
 def _forked_child(
-    request: proto.ForkRequest, fd: int, session: pytest.Session, zygote: Connection
+    request: proto.ForkRequest,
+    fd: int,
+    session: pytest.Session,
+    zygote: Connection,
+    inherited: list[int],
 ) -> None:
     code = 0
     try:
         zygote.close()
+        for pidfd in inherited:  # the template's watches on its other children
+            os.close(pidfd)
         os.environ.update(request.env)
         relay = _child.isolate(request.spec, Connection(fd))
         config = session.config

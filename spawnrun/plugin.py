@@ -114,6 +114,15 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 @pytest.hookimpl
+def pytest_sessionstart(session: pytest.Session) -> None:
+    config = session.config
+    holder = config.stash.get(_replay.ZYGOTE_KEY, None)
+    if holder is not None:
+        config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(config)
+        holder.start(config, config.stash[_replay.OPTIONS_KEY])
+
+
+@pytest.hookimpl
 def pytest_collectstart() -> None:
     # torch may first be imported by a test module: watch its CUDA init from then on.
     _cudawatch.watch()
