@@ -151,6 +151,7 @@ def _pytest_parents(me: int) -> set[int]:
 
 
 def main() -> None:
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("-n", type=int, default=20, help="tests per suite (default 20)")
     parser.add_argument("-r", "--repeat", type=int, default=3, help="repetitions (default 3)")
