@@ -128,6 +128,8 @@ class ParentGpuMemory:
             time.sleep(0.2)
 
     def __enter__(self) -> ParentGpuMemory:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
         return self
 
@@ -157,6 +159,7 @@ def main() -> None:
     parser.add_argument("-r", "--repeat", type=int, default=3, help="repetitions (default 3)")
     parser.add_argument("--gpu", action="store_true", help="also the CUDA suites")
     parser.add_argument("--suites", nargs="*", help="only these suites")
+    parser.add_argument("--modes", nargs="*", help="only these modes (plain always runs)")
     opts = parser.parse_args()
     names = opts.suites or (list(SUITES) if opts.gpu else ["trivial", "work-0.5s"])
     root = Path(tempfile.mkdtemp(prefix="spawnrun-bench-"))
@@ -180,14 +183,24 @@ def main() -> None:
             folder = make_suite(root, name, opts.n)
             medians: dict[str, float] = {}
             tails: dict[str, str] = {}
-            with ParentGpuMemory() if opts.gpu and name.startswith("cuda") else _Nothing() as mem:
-                for mode, args in MODES.items():
-                    walls = []
+            modes = {
+                m: a
+                for m, a in MODES.items()
+                if not opts.modes or m in opts.modes or m in ("plain", "pytest-forked")
+            }
+            gpu_suite = opts.gpu and name.startswith("cuda")
+            mem = ParentGpuMemory() if gpu_suite else _Nothing()
+            for mode, args in modes.items():
+                # Only spawnrun's parents must hold no GPU memory: plain pytest and
+                # pytest-forked run CUDA in (or forked from) their own process.
+                sampling = mem if mode.startswith("spawnrun") else _Nothing()
+                walls = []
+                with sampling:
                     for _ in range(opts.repeat):
                         wall, tail = run(folder, args)
                         walls.append(wall)
-                    medians[mode] = statistics.median(walls)
-                    tails[mode] = tail
+                medians[mode] = statistics.median(walls)
+                tails[mode] = tail
             plain = medians["plain"]
             forked = (medians["pytest-forked"] - plain) / opts.n
             print(f"\nsuite {name!r}:")
@@ -200,11 +213,11 @@ def main() -> None:
                 print(
                     f"  {mode:26} {median:7.2f}s {over * 1000:15.0f} ms {ratio:>10}  {tails[mode]}"
                 )
-            if opts.gpu and name.startswith("cuda"):
+            if gpu_suite and "spawnrun forkserver" in medians:
                 fs = (medians["spawnrun forkserver"] - plain) / opts.n
                 print(f"  forkserver overhead / CUDA-context floor: {fs / floor:.2f}x")
                 print(
-                    f"  pytest parent's GPU memory, max over {mem.samples} samples: "
+                    f"  spawnrun's pytest parent, GPU memory, max over {mem.samples} samples: "
                     f"{mem.max_mib} MiB"
                 )
     finally:

@@ -16,6 +16,7 @@ collected items, and runs it like a spawned child, reporting over its own pipe.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import os
 import sys
@@ -65,10 +66,37 @@ def device_state() -> str:
                 return "torch.cuda is initialized"
             if getattr(cuda, "_is_in_bad_fork", lambda: False)():
                 return "torch.cuda is in a bad-fork state"
-    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:
-        if "libcuda.so" in maps.read():
-            return "the CUDA driver library (libcuda.so) is loaded"
+    if _cuda_driver_initialized():
+        return "the CUDA driver is initialized (cuInit was called)"
     return ""
+
+
+#: cuDeviceGetCount's answer before cuInit: the driver is loaded but not initialized.
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def _cuda_driver_initialized() -> bool:
+    """Whether cuInit ran in this process, asked of the driver without initializing it.
+
+    ``import torch`` (CUDA builds) maps libcuda.so without initializing it, and forking
+    then is safe; what is not safe is forking after cuInit. cuDeviceGetCount answers
+    CUDA_ERROR_NOT_INITIALIZED until cuInit has run, and has no side effect. The library
+    is only looked up if it is already mapped (RTLD_NOLOAD): spawnrun never loads it.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcuda.so" in line}
+    except OSError:
+        return False
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            count = ctypes.c_int(0)
+            if lib.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED:
+                return True
+        except (OSError, AttributeError):
+            return True  # mapped but cannot be asked: assume the worst
+    return False
 
 
 class _Server:
