@@ -173,9 +173,6 @@ class Allocator:
     def give_back(self, ids: list[str]) -> None:
         self.free.extend(i for i in ids if i not in self.free)
 
-    def close(self) -> None:
-        pass
-
 
 class Ledger(Allocator):
     """Devices shared by the processes of one run (pytest-xdist workers).

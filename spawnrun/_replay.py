@@ -241,9 +241,6 @@ class Job:
         _report_timeout(self.replay, self.child, self.timeout, phase)
         self._finish()
 
-    def waiting_for_restart(self) -> bool:
-        return bool(self.restart) and not self.dispatched
-
     def abort(self, reason: str) -> None:
         """End the child now (-x, an interrupt elsewhere); say so on the test."""
         if self.child is not None:

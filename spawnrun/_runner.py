@@ -192,7 +192,6 @@ class ChildProcess:
         self.proc: Any = proc
         self.pid = pid
         LIVE.add(self)
-        self.started = time.monotonic()
         self.exitcode: int | None = None
         #: How many processes the test left behind (known after ``finish``).
         self.reaped = 0

@@ -66,3 +66,29 @@ def outcomes(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Outc
 def fakedevice(pytester: pytest.Pytester) -> None:
     """Make the demo's fork-unsafe fake device importable by the inner suite."""
     pytester.makepyfile(fakedevice=(HERE.parent / "examples" / "fakedevice.py").read_text())
+
+
+FAKE_TORCH = {
+    "torch/__init__.py": "from torch import cuda\n",
+    "torch/cuda.py": (
+        "_init = False\n"
+        "def is_initialized():\n    return _init\n"
+        "def _lazy_init():\n    global _init\n    _init = True\n"
+        "def device_count():\n    return 1\n"
+        "def memory_reserved(i):\n    return 3 * 2**20\n"
+        "def zeros(n):\n    _lazy_init()\n    return [0] * n\n"
+    ),
+}
+
+
+@pytest.fixture
+def fake_torch(pytester: pytest.Pytester) -> None:
+    """A tiny ``torch`` package whose CUDA "initializes" like the real one's, for CPU tests.
+
+    It shadows the real torch inside the inner suite (the suite's folder comes first on
+    sys.path), so CUDA-in-the-parent and CUDA-while-booting logic can be tested here.
+    """
+    for name, text in FAKE_TORCH.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)

@@ -290,24 +290,7 @@ def test_unpicklable_report_content_degrades_to_text(pytester):
     assert "unlocked _thread.lock object" in xml.read_text()
 
 
-FAKE_TORCH = {
-    "torch/__init__.py": "from torch import cuda\n__file__ = __file__\n",
-    "torch/cuda.py": (
-        "_init = False\n"
-        "def is_initialized():\n    return _init\n"
-        "def _lazy_init():\n    global _init\n    _init = True\n"
-        "def device_count():\n    return 1\n"
-        "def memory_reserved(i):\n    return 3 * 2**20\n"
-        "def zeros(n):\n    _lazy_init()\n    return [0] * n\n"
-    ),
-}
-
-
-def test_warns_when_cuda_was_initialized_in_parent(pytester):
-    for name, text in FAKE_TORCH.items():
-        path = pytester.path / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
+def test_warns_when_cuda_was_initialized_in_parent(pytester, fake_torch):
     pytester.makeconftest("import torch\n")
     pytester.makepyfile(
         test_uses_cuda_at_import="""
@@ -428,21 +411,7 @@ def test_children_booted_ahead_are_reaped_when_the_run_ends_early(pytester, monk
     assert _processes_with(marker) == []
 
 
-BOOT_TOUCHES_CUDA = {
-    "torch/__init__.py": "from torch import cuda\n",
-    "torch/cuda.py": (
-        "_init = False\n"
-        "def is_initialized():\n    return _init\n"
-        "def _lazy_init():\n    global _init\n    _init = True\n"
-    ),
-}
-
-
-def test_child_that_initializes_cuda_while_booting_gets_devices_at_spawn(pytester):
-    for name, text in BOOT_TOUCHES_CUDA.items():
-        path = pytester.path / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
+def test_child_that_initializes_cuda_while_booting_gets_devices_at_spawn(pytester, fake_torch):
     pytester.makeconftest(
         "import spawnrun, torch\n"
         "if spawnrun.is_child():\n"

@@ -43,21 +43,7 @@ def test_device_initialized_in_template_falls_back_to_spawn(pytester, fakedevice
         result.stdout.fnmatch_lines(["*Cannot re-initialize FakeDevice in forked subprocess*"])
 
 
-FAKE_TORCH = {
-    "torch/__init__.py": "from torch import cuda\n",
-    "torch/cuda.py": (
-        "_init = False\n"
-        "def is_initialized():\n    return _init\n"
-        "def _lazy_init():\n    global _init\n    _init = True\n"
-    ),
-}
-
-
-def test_cuda_initialized_by_a_conftest_is_named(pytester):
-    for name, text in FAKE_TORCH.items():
-        path = pytester.path / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
+def test_cuda_initialized_by_a_conftest_is_named(pytester, fake_torch):
     pytester.makeini("[pytest]\nspawn_preload = torch\nspawn_method = forkserver\n")
     pytester.makeconftest(
         "import spawnrun, torch\n"
