@@ -104,3 +104,19 @@ def test_spawn_jobs_bounds_parallelism(pytester):
     result.assert_outcomes(passed=4)
     ones = sorted(_records(pytester.path).values(), key=lambda r: r["start"])
     assert all(a["end"] <= b["start"] for a, b in itertools.pairwise(ones))
+
+
+def test_tests_spawned_by_spawn_gpu_alone_keep_the_parents_devices(pytester, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    pytester.makepyfile(
+        """
+        import os
+        import spawnrun
+
+        def test_unmarked():
+            assert spawnrun.is_child()
+            assert os.environ["CUDA_VISIBLE_DEVICES"] == "7"
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-gpu")
+    result.assert_outcomes(passed=1)

@@ -84,3 +84,11 @@ def test_help_texts_come_from_one_table(pytester):
         if s.marker_kwarg:
             assert f"{s.marker_kwarg}: {help_text}" in markers
     assert _settings.marker_doc().split(":")[0] in markers
+
+
+@pytest.mark.parametrize(
+    "cpus, free_gib, expected",
+    [(2, 20, 1), (1, 20, 1), (16, 100, 4), (16, 4, 2), (8, 1, 0)],
+)
+def test_default_lookahead_follows_cpus_and_memory(cpus, free_gib, expected):
+    assert _settings.default_lookahead(cpus, free_gib * 2**30) == expected
