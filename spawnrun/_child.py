@@ -173,7 +173,7 @@ class _Relay:
             self.send(proto.Booted(os.getpid(), False, self._not_found(session)))
             self.booted = True
             return
-        self.send(proto.Booted(os.getpid(), True, device_runtime=_device_runtime()))
+        self.send(proto.Booted(os.getpid(), True, device_runtime=device_runtime()))
         self.booted = True
         try:
             go = self.conn.recv()
@@ -239,7 +239,7 @@ class _Relay:
         return "\n".join(lines)
 
 
-def _device_runtime() -> str:
+def device_runtime() -> str:
     """Name the device runtime already initialized in this process, if any."""
     torch = sys.modules.get("torch")
     cuda = getattr(torch, "cuda", None)

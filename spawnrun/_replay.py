@@ -107,15 +107,20 @@ class Replay:
         if teardown is not None:
             teardown.sections.append((title, text))
 
-    def emit(self, parent_error: pytest.TestReport | None) -> None:
+    def emit(self, parent_error: pytest.TestReport | None, interrupted: bool = False) -> None:
         """Feed everything through the parent's hooks, the parent's teardown merged in.
 
         ``parent_error`` is a failure of the parent's own fixture teardown down to the
         next test (fixtures shared with in-process tests); pytest would report it on
-        this test's teardown.
+        this test's teardown. A test that stopped the session (``interrupted``) gets
+        only the reports it made, as in-process pytest would show.
         """
         item = self.item
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        if interrupted:
+            for report in self.reports:
+                item.ihook.pytest_runtest_logreport(report=report)
+            return
         for report in self.reports:
             if report.when == "teardown" and parent_error is not None:
                 if report.passed:
@@ -163,6 +168,9 @@ class Job:
         self.interrupted: proto.Interrupted | None = None
         self.deadline: float | None = None
         self.started = time.monotonic()
+        #: Devices the scheduler gave it, and their used memory before it ran (NVML).
+        self.devices: list[str] = []
+        self.baseline: dict[str, int] | None = None
 
     @property
     def dispatched(self) -> bool:
@@ -269,10 +277,7 @@ class Job:
         """Replay what the child reported; re-raise its pytest.exit / KeyboardInterrupt."""
         if self.interrupted is not None:
             # As in-process: the reports so far, then the session stops.
-            item = self.item
-            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-            for report in self.replay.reports:
-                item.ihook.pytest_runtest_logreport(report=report)
+            self.replay.emit(None, interrupted=True)
             if self.interrupted.keyboard:
                 raise KeyboardInterrupt
             pytest.exit(self.interrupted.message, self.interrupted.returncode)
@@ -351,8 +356,9 @@ def _report_timeout(
 def _evidence(child: _runner.ChildProcess) -> list[tuple[str, str]]:
     """What a person needs to debug a dead or stuck child: stacks and output tails."""
     sections = []
-    workdir = Path(child.spec.stacks_path).parent
-    stacks = _tail(workdir / "stacks.txt")
+    stacks_path = Path(child.spec.stacks_path)
+    workdir = stacks_path.parent
+    stacks = _tail(stacks_path)
     if stacks:
         sections.append((_reports.STACKS, stacks))
     captured = [_tail(p) for p in sorted(workdir.glob("capture-*.out"))]

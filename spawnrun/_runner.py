@@ -236,7 +236,7 @@ class ChildProcess:
         if self.proc.exitcode is None:
             # A child that does not exit may be waiting for what the test left behind
             # (multiprocessing joins non-daemonic children at exit): end those first.
-            others = [p for p in group_members(self.pid) if p != self.pid]
+            others = self._left_behind()
             for pid in others:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGTERM)
@@ -255,5 +255,9 @@ class ChildProcess:
     def kill(self) -> None:
         if self.proc is not None and self.exitcode is None and not self.killed_others:
             # Count what the test left behind before the group dies with the child.
-            self.killed_others = len([p for p in group_members(self.pid) if p != self.pid])
+            self.killed_others = len(self._left_behind())
         self.signal_group(signal.SIGKILL)
+
+    def _left_behind(self) -> list[int]:
+        """Processes of the child's group or session other than the child itself."""
+        return [p for p in group_members(self.pid) if p != self.pid]

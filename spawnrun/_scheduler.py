@@ -58,8 +58,6 @@ class Scheduler:
         #: Jobs booted ahead of their turn, by node id.
         self.ahead: dict[str, _replay.Job] = {}
         self.restart_warned = False
-        self.devices: dict[int, list[str]] = {}
-        self.baselines: dict[int, dict[str, int] | None] = {}
         #: (node id, seconds) of waits for device memory longer than a second.
         self.long_settles: list[tuple[str, float]] = []
 
@@ -98,8 +96,8 @@ class Scheduler:
                 _warn(item, RESTARTED.format(nodeid=item.nodeid, runtime=job.restart))
         if devices:
             job.replay.properties.append(("spawnrun_devices", ",".join(devices)))
-        self.devices[id(job)] = devices
-        self.baselines[id(job)] = _devices.used_memory(devices) if devices and self.settle else None
+        job.devices = devices
+        job.baseline = _devices.used_memory(devices) if devices and self.settle else None
         try:
             if job.child is None:
                 job.start()
@@ -186,8 +184,8 @@ class Scheduler:
                 job.child.finish()
 
     def _release(self, job: _replay.Job) -> None:
-        devices = self.devices.pop(id(job), [])
-        baseline = self.baselines.pop(id(job), None)
+        devices, job.devices = job.devices, []
+        baseline, job.baseline = job.baseline, None
         if baseline and self.settle:
             waited = _devices.settle(baseline, self.settle)
             if waited > 1.0:

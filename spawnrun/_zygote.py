@@ -58,14 +58,13 @@ def main(spec: proto.ZygoteSpec, conn: Connection) -> None:
 
 def device_state() -> str:
     """Name a device runtime initialized in this process ("" if none): forking it is unsafe."""
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    if cuda is not None:
-        with contextlib.suppress(Exception):
-            if cuda.is_initialized():
-                return "torch.cuda is initialized"
-            if getattr(cuda, "_is_in_bad_fork", lambda: False)():
-                return "torch.cuda is in a bad-fork state"
+    runtime = _child.device_runtime()
+    if runtime:
+        return f"{runtime} is initialized"
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    with contextlib.suppress(Exception):
+        if cuda is not None and cuda._is_in_bad_fork():
+            return "torch.cuda is in a bad-fork state"
     if _cuda_driver_initialized():
         return "the CUDA driver is initialized (cuInit was called)"
     return ""

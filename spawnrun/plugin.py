@@ -116,10 +116,13 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 @pytest.hookimpl
 def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
+    if SETTINGS_KEY not in config.stash:
+        return
+    # Once, when every plugin has configured itself: all children get these options.
+    options = config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(config)
     holder = config.stash.get(_replay.ZYGOTE_KEY, None)
     if holder is not None:
-        config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(config)
-        holder.start(config, config.stash[_replay.OPTIONS_KEY])
+        holder.start(config, options)
 
 
 @pytest.hookimpl
@@ -183,8 +186,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _prefetch(item, nextitem, scheduler)
         return None
     settings = config.stash[SETTINGS_KEY]
-    if _replay.OPTIONS_KEY not in config.stash:
-        config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(config)
     overrides = _overrides(item)
     _cudawatch.check(config)
     marked = item.get_closest_marker(_settings.MARKER) is not None
@@ -231,8 +232,6 @@ def _prefetch(
     upcoming = [
         (it, _overrides(it).get("timeout", settings.timeout)) for it in candidates if _spawns(it)
     ]
-    if _replay.OPTIONS_KEY not in item.config.stash:
-        item.config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(item.config)
     scheduler.prefetch(upcoming)
 
 
