@@ -1,23 +1,28 @@
 """The spawn child: rebuild the parent's pytest configuration, find one test, run it.
 
-Runs in the child only. Imports nothing from spawnrun but ``_protocol`` (and pytest,
-lazily, after output is redirected), so booting stays cheap and the parent side never
-leaks in. The parent starts ``main`` through ``multiprocessing``'s spawn context.
+Runs in the child only. Imports nothing from spawnrun but ``_protocol`` (and pytest),
+so booting stays cheap and the parent side never leaks in. The parent starts ``main``
+through ``multiprocessing``'s spawn context; the zygote's template calls it in each
+child it forks.
 
 Life: boot (configure, collect, find the node id) -> ``Booted`` -> wait for ``Go`` ->
-setup/call/teardown, each report streamed as soon as pytest logs it -> ``Done``.
+setup/call/teardown, each report streamed as soon as pytest logs it -> ``Done`` -> exit.
+The child's devices (``CUDA_VISIBLE_DEVICES``) are in its environment from its start.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import signal
 import sys
+import threading
 import traceback
 from multiprocessing.connection import Connection
 from typing import IO
 from typing import Any
+from typing import NoReturn
 
 import pytest
 
@@ -36,7 +41,7 @@ _MAX_LISTED_IDS = 10
 SECTION_LIMIT = 256 * 1024
 
 
-def main(spec: proto.ChildSpec, conn: Connection) -> None:
+def main(spec: proto.ChildSpec, conn: Connection) -> NoReturn:
     relay = isolate(spec, conn)
     os.chdir(spec.invocation_dir)
     try:
@@ -55,6 +60,33 @@ def main(spec: proto.ChildSpec, conn: Connection) -> None:
         elif not relay.interrupted:
             relay.notes.append("error in the child after the test:\n" + traceback.format_exc())
     relay.finish()
+    leave(0)
+
+
+def leave(code: int) -> NoReturn:
+    """End the process: the exit work that matters runs, the slow interpreter teardown not.
+
+    After "done" nothing the test can see is left to do, but its exit work still is:
+    executors shut down and non-daemon threads are joined (``threading``'s exit hook),
+    ``atexit`` handlers run (multiprocessing's finalizers, which unlink semaphores and
+    join child processes; coverage's save). Module teardown and the final garbage
+    collection are skipped (``os._exit``): with torch loaded they cost ~0.3 s per child.
+    A child stuck here (a leaked thread that never ends) is the parent's to end, off the
+    critical path. Forked children leave this way too, never through the template's code.
+    """
+    try:
+        # threading offers no public "run the exit hooks"; this is what the interpreter
+        # itself calls at shutdown, before atexit.
+        threading._shutdown()  # type: ignore[attr-defined]
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001 - nothing may keep the process alive
+        code = code or 70
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream has nothing left to flush
+            pass
+    os._exit(code)
 
 
 def isolate(spec: proto.ChildSpec, conn: Connection) -> _Relay:
@@ -111,8 +143,6 @@ class _Relay:
         self.collect_errors: list[str] = []
         self.notes: list[str] = []
         self.config: Any = None
-        #: Registered after configure (in a forked child): the session is running.
-        self.late = False
 
     def send(self, msg: proto.Message) -> None:
         try:
@@ -135,9 +165,7 @@ class _Relay:
         # file of the child's work directory instead of the user's terminal.
         pm = config.pluginmanager
         old = pm.get_plugin("terminalreporter")
-        # A reporter swapped in mid-session would lack its session; a forked child's
-        # reporter already writes to the child's own output file.
-        if old is not None and not self.late:
+        if old is not None:
             pm.unregister(old)
             sink = open(  # noqa: SIM115 - lives as long as the process
                 os.path.join(os.path.dirname(self.spec.stacks_path), "terminal.log"),
@@ -173,7 +201,7 @@ class _Relay:
             self.send(proto.Booted(os.getpid(), False, self._not_found(session)))
             self.booted = True
             return
-        self.send(proto.Booted(os.getpid(), True, device_runtime=device_runtime()))
+        self.send(proto.Booted(os.getpid(), True))
         self.booted = True
         try:
             go = self.conn.recv()
@@ -181,8 +209,11 @@ class _Relay:
             return  # the parent stopped the run before this test's turn
         if not isinstance(go, proto.Go):
             return
-        # Read by CUDA at its first use, which must not have happened yet.
-        os.environ.update(go.env)
+        # The parent's environment as it is at this test's turn (its devices were set
+        # before this process started and are not part of it).
+        for name in go.env_unset:
+            os.environ.pop(name, None)
+        os.environ.update(go.env_set)
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
         except KeyboardInterrupt:
@@ -237,18 +268,6 @@ class _Relay:
             lines.append("the child collected no tests")
         lines += self.collect_errors
         return "\n".join(lines)
-
-
-def device_runtime() -> str:
-    """Name the device runtime already initialized in this process, if any."""
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    try:
-        if cuda is not None and cuda.is_initialized():
-            return "torch.cuda"
-    except Exception:  # noqa: BLE001 - a broken torch is not ours to judge
-        pass
-    return ""
 
 
 def _bounded(content: str) -> str:

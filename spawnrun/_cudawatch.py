@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from spawnrun import _probe
 from spawnrun import _reports
 
 _WRAPPED = "__spawnrun_wrapped__"
@@ -61,16 +62,14 @@ def origin_text() -> str:
 def check(config: pytest.Config) -> None:
     """Warn once if CUDA is initialized in this process."""
     global _warned
-    torch = sys.modules.get("torch")
-    cuda = getattr(torch, "cuda", None)
-    if _warned or cuda is None:
+    if _warned:
         return
-    try:
-        initialized = bool(cuda.is_initialized())
-    except Exception:  # noqa: BLE001 - a broken torch must not break the run
+    # torch's own flag, or the driver itself: torch.cuda.is_available() runs cuInit
+    # (and holds the driver) without making torch "initialized".
+    runtime = _probe.device_runtime()
+    if not runtime:
         return
-    if not initialized:
-        return
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
     _warned = True
     filename, lineno = "<unknown>", 0
     if _origin:
@@ -78,11 +77,12 @@ def check(config: pytest.Config) -> None:
         where = f"{filename}:{lineno} in {func}"
     else:
         where = "code that ran before spawnrun could watch (a conftest or plugin import)"
-    held = _reserved_mib(cuda)
+    held = _reserved_mib(cuda) if cuda is not None else "an unknown amount"
     text = (
         f"{MESSAGE}, by {where}; it holds {held} of device memory plus its context "
         "(typically 500 MiB or more) for the whole run. Spawned tests still run "
-        "isolated; move the CUDA call into a test or fixture to free that memory."
+        "isolated; move the CUDA call into a test or fixture to free that memory. "
+        f"(Seen: {runtime}.)"
     )
     _reports.record_warning(config, _reports.warning(text, filename, lineno), "")
 

@@ -2,10 +2,11 @@
 
 Runs in the parent and never touches CUDA: the inventory comes from
 CUDA_VISIBLE_DEVICES, NVML (``nvidia-ml-py``, optional) or ``nvidia-smi -L``; the
-allocator hands out device ids; under pytest-xdist a file ledger shares them between
-workers. After a child on a GPU exits, its memory is released by the driver
-asynchronously; ``settle`` polls NVML until each device's used memory is back near its
-level before the test, bounded in time. Without NVML it does nothing.
+allocator hands out device ids and plans booted-ahead children onto the least loaded
+devices; under pytest-xdist a file ledger shares them between workers. After a child on
+a GPU exits, the driver releases its memory asynchronously; ``still_held`` asks NVML
+whether the test's processes still hold any, so the next test can wait for exactly
+that. Without NVML there is nothing to ask.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -26,9 +26,6 @@ from typing import Any
 
 import pytest
 
-#: Used memory this close to the baseline counts as settled.
-TOLERANCE_BYTES = 64 * 2**20
-_POLL = 0.05
 _nvml: Any = None
 _nvml_failed = False
 
@@ -52,32 +49,26 @@ def _handle(nvml: Any, device: str) -> Any:
     return nvml.nvmlDeviceGetHandleByUUID(device)
 
 
-def used_memory(devices: list[str]) -> dict[str, int] | None:
-    """Used bytes per device (ids as in CUDA_VISIBLE_DEVICES), or None without NVML."""
+def still_held(devices: list[str], pids: set[int]) -> bool | None:
+    """Whether NVML still lists any of ``pids`` on ``devices``; None without NVML.
+
+    A GPU's memory comes back when the driver has torn down the exited process's
+    context, which can lag its exit; NVML lists a process until then. Asking for the
+    test's own processes (not a memory level) keeps other processes on the device,
+    such as children booted ahead, from making the wait last.
+    """
     nvml = _load()
-    if nvml is None or not devices:
+    if nvml is None or not devices or not pids:
         return None
     try:
-        return {d: int(nvml.nvmlDeviceGetMemoryInfo(_handle(nvml, d)).used) for d in devices}
+        for device in devices:
+            handle = _handle(nvml, device)
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid in pids:
+                    return True
     except Exception:  # noqa: BLE001 - a device NVML cannot see: nothing to wait for
         return None
-
-
-def settle(baseline: dict[str, int] | None, limit: float) -> float:
-    """Wait until used memory is back near ``baseline``; return the seconds waited."""
-    if not baseline or limit <= 0:
-        return 0.0
-    start = time.monotonic()
-    while True:
-        now = used_memory(list(baseline))
-        if now is None or all(
-            now.get(i, 0) <= used + TOLERANCE_BYTES for i, used in baseline.items()
-        ):
-            break
-        if time.monotonic() - start >= limit:
-            break
-        time.sleep(_POLL)
-    return time.monotonic() - start
+    return False
 
 
 # Inventory ---------------------------------------------------------------------------
@@ -158,20 +149,44 @@ def inventory(setting: str, environ: Mapping[str, str]) -> Inventory:
 # Allocation --------------------------------------------------------------------------
 
 
+def least_loaded(ids: tuple[str, ...], load: Mapping[str, int], count: int) -> list[str]:
+    """The ``count`` devices with the fewest tests running or planned, in inventory order.
+
+    Used to plan a child booted ahead: its devices are fixed when it starts, so it goes
+    where the queue is shortest; ties go to the lower index.
+    """
+    order = {d: i for i, d in enumerate(ids)}
+    chosen = sorted(ids, key=lambda d: (load.get(d, 0), order[d]))[:count]
+    return sorted(chosen, key=order.__getitem__)
+
+
 class Allocator:
-    """Hands out devices to tests in one process: pure bookkeeping, no processes."""
+    """Which devices are held right now, in one process: pure bookkeeping."""
 
     def __init__(self, ids: tuple[str, ...]) -> None:
-        self.free = list(ids)
+        self.ids = ids
+        self.busy: set[str] = set()
+
+    def free(self) -> list[str]:
+        """Devices nobody holds, in inventory order."""
+        return [d for d in self.ids if d not in self.busy]
 
     def take(self, count: int) -> list[str] | None:
-        if count > len(self.free):
+        """Any ``count`` free devices (the first in inventory order), or None."""
+        free = self.free()
+        if count > len(free):
             return None
-        taken, self.free = self.free[:count], self.free[count:]
-        return taken
+        taken = free[:count]
+        return taken if self.take_exact(taken) else None
+
+    def take_exact(self, ids: list[str]) -> bool:
+        if any(d in self.busy for d in ids):
+            return False
+        self.busy.update(ids)
+        return True
 
     def give_back(self, ids: list[str]) -> None:
-        self.free.extend(i for i in ids if i not in self.free)
+        self.busy.difference_update(ids)
 
 
 class Ledger(Allocator):
@@ -184,7 +199,6 @@ class Ledger(Allocator):
 
     def __init__(self, ids: tuple[str, ...], directory: Path) -> None:
         super().__init__(ids)
-        self.ids = ids
         directory.mkdir(parents=True, exist_ok=True)
         self.path = directory / "ledger.json"
         self.lock_path = directory / "ledger.lock"
@@ -204,14 +218,16 @@ class Ledger(Allocator):
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def take(self, count: int) -> list[str] | None:
+    def free(self) -> list[str]:
         with self._locked() as owners:
-            free = [d for d in self.ids if d not in owners]
-            if count > len(free):
-                return None
-            taken = free[:count]
-            owners.update({d: os.getpid() for d in taken})
-            return taken
+            return [d for d in self.ids if d not in owners]
+
+    def take_exact(self, ids: list[str]) -> bool:
+        with self._locked() as owners:
+            if any(d in owners for d in ids):
+                return False
+            owners.update({d: os.getpid() for d in ids})
+            return True
 
     def give_back(self, ids: list[str]) -> None:
         with self._locked() as owners:

@@ -1,11 +1,18 @@
 """The parent's handle on the zygote (``--spawn-method forkserver``).
 
 Runs in the parent. Starts the template (with the spawn method: it is never forked
-from the parent), asks it to fork one child per test, passing the child's end of a
-fresh pipe as a file handle, and learns the child's exit code from the template, which
-is its parent. The parent watches a forked child through a pidfd. Any failure, or a
-refusal because a device runtime got initialized in the template, turns the zygote
-off: the run spawns from then on, with one warning.
+from the parent) at session start with the library modules the parent already has
+(pytest, the loaded plugins' modules, ``spawn_preload``), and, once collection is done,
+asks it to import the third-party modules that collection imported (the automatic
+preload): never a module of the suite, never its conftests. Then asks it to fork one
+child per test, passing the child's end of a fresh pipe as a file handle and the
+child's final environment (its devices); learns the child's exit code from the
+template, which is its parent, and watches it through a pidfd.
+
+If a module of the automatic preload makes the template unsafe to fork (it initializes
+CUDA or starts a thread at import), the template is replaced once by one that imports
+only the modules before it, with a warning. Any other failure or refusal turns the
+zygote off: the run spawns from then on, with one warning.
 """
 
 from __future__ import annotations
@@ -13,10 +20,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
+import types
 from collections.abc import Mapping
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 
 from spawnrun import _protocol as proto
@@ -24,60 +34,89 @@ from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _zygote
 
-#: How long the template may take to import, configure and collect.
+#: How long the template may take to import what it is told.
 BOOT_LIMIT = 600.0
+#: How long a fork request may take to be answered.
+FORK_LIMIT = 60.0
+
+OFF = "spawnrun: the forkserver is off and every test spawns from now on: {reason}"
+TRIMMED = (
+    "spawnrun: the forkserver's automatic preload stopped before {module}: importing it "
+    "made the template unsafe to fork ({reason}); children import it themselves"
+)
 
 
 class Zygote:
     def __init__(self, spec: proto.ZygoteSpec) -> None:
+        self.spec = spec
         self.conn, child_conn = _runner.CTX.Pipe(duplex=True)
         self.proc: Any = _runner.CTX.Process(
             target=_zygote.main, args=(spec, child_conn), name="spawnrun zygote", daemon=False
         )
+        #: The environment the template started with.
+        self.environ = dict(os.environ)
         with _runner.child_environ({}):
             self.proc.start()
         child_conn.close()
         self.pid: int = self.proc.pid or 0
         self.exits: dict[int, int] = {}
-        #: Why the zygote is off ("" while it serves).
-        self.off = ""
-        self.booted = False
+        #: ZygoteReady answers still to come (one for the spec, one per Preload).
+        self.pending = 1
+        self.closed = False
 
-    def fork(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> ForkedChild | None:
-        """A child forked for this test, or None (the zygote is off: spawn instead)."""
-        if self.off:
-            return None
+    def preload(self, modules: list[str]) -> None:
+        with contextlib.suppress(OSError):
+            self.conn.send(proto.Preload(modules))
+            self.pending += 1
+
+    def ready(self) -> proto.ZygoteReady:
+        """Wait for every pending answer; the first one with a problem, else the last."""
+        answer = proto.ZygoteReady(self.pid)
+        while self.pending:
+            reply = self._next(BOOT_LIMIT)
+            self.pending -= 1
+            if not isinstance(reply, proto.ZygoteReady):
+                return proto.ZygoteReady(self.pid, f"it did not answer as expected: {reply!r}")
+            if reply.problem:
+                return reply
+            answer = reply
+        return answer
+
+    def fork(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> ForkedChild | str:
+        """A forked child, or why the template would not fork one.
+
+        The child gets the parent's environment as it is now (as a spawned child would),
+        not the template's from the session's start, plus ``env``.
+        """
+        unset = [k for k in self.environ if k not in os.environ]
         try:
-            if not self.booted:
-                ready = self._next(BOOT_LIMIT)
-                self.booted = True
-                if not isinstance(ready, proto.ZygoteReady) or ready.problem:
-                    problem = getattr(ready, "problem", "") or "it did not start"
-                    self._turn_off(f"the template could not be built: {problem}")
-                    return None
             parent_conn, child_conn = _runner.CTX.Pipe(duplex=True)
-            self.conn.send(proto.ForkRequest(spec, dict(env)))
+            self.conn.send(proto.ForkRequest(spec, {**os.environ, **env}, unset))
             reduction.send_handle(self.conn, child_conn.fileno(), self.pid)
             child_conn.close()
-            reply = self._next(60.0)
+            reply = self._next(FORK_LIMIT)
         except (OSError, EOFError) as exc:
-            self._turn_off(f"the template stopped answering ({exc!r})")
-            return None
+            return f"the template stopped answering ({exc!r})"
         if isinstance(reply, proto.Forked):
             return ForkedChild(spec, parent_conn, reply.pid, self)
         parent_conn.close()
-        self._turn_off(
-            reply.reason
-            if isinstance(reply, proto.Refused)
-            else f"unexpected answer from the template: {reply!r}"
-        )
-        return None
+        if isinstance(reply, proto.Refused):
+            return reply.reason
+        return f"unexpected answer from the template: {reply!r}"
+
+    def drain(self) -> None:
+        """File the exit notices that arrived (the scheduler's loop calls this)."""
+        with contextlib.suppress(OSError, EOFError):
+            while not self.closed and self.conn.poll(0):
+                msg = self.conn.recv()
+                if isinstance(msg, proto.Exited):
+                    self.exits[msg.pid] = msg.code
 
     def exit_code(self, pid: int, timeout: float) -> int | None:
         """The exit code of a forked child, as its parent (the template) saw it."""
         while pid not in self.exits:
             try:
-                if not self.conn.poll(timeout):
+                if self.closed or not self.conn.poll(timeout):
                     return None
                 msg = self.conn.recv()
             except (OSError, EOFError):
@@ -96,91 +135,176 @@ class Zygote:
                 return msg
             self.exits[msg.pid] = msg.code
 
-    def _turn_off(self, reason: str) -> None:
-        self.off = reason
-        self.close()
-
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         with contextlib.suppress(OSError):
             self.conn.close()
-        if self.proc is not None:
-            self.proc.join(5)
-            if self.proc.exitcode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.pid, signal.SIGKILL)
-                self.proc.join()
-            self.proc.close()
-            self.proc = None
-
-
-class _PidHandle:
-    """Enough of ``multiprocessing.Process`` for a process that is not our child."""
-
-    def __init__(self, pid: int, zygote: Zygote) -> None:
-        self.pid = pid
-        self.zygote = zygote
-        self.sentinel = os.pidfd_open(pid)
-        self.exitcode: int | None = None
-
-    def join(self, timeout: float | None = None) -> None:
-        if self.exitcode is not None:
-            return
-        if wait([self.sentinel], timeout):
-            code = self.zygote.exit_code(self.pid, 5.0)
-            self.exitcode = code if code is not None else -signal.SIGKILL
-
-    def close(self) -> None:
-        os.close(self.sentinel)
+        self.proc.join(5)
+        if self.proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.pid, signal.SIGKILL)
+            self.proc.join()
+        self.proc.close()
 
 
 class ForkedChild(_runner.ChildProcess):
-    """A child forked by the zygote, driven exactly like a spawned one."""
+    """A child forked by the zygote, driven exactly like a spawned one.
+
+    It is the template's child, not ours: the parent watches it through a pidfd and
+    learns its exit code from the template.
+    """
 
     def __init__(self, spec: proto.ChildSpec, conn: Connection, pid: int, zygote: Zygote) -> None:
-        self._adopt(spec, conn, _PidHandle(pid, zygote), pid)
+        self._proc = None
+        self.zygote = zygote
+        self._code: int | None = None
+        self._adopt(spec, conn, pid, os.pidfd_open(pid))
 
+    @property
+    def exitcode(self) -> int | None:
+        if self._code is None and self.pid in self.zygote.exits:
+            self._code = self.zygote.exits.pop(self.pid)
+        return self._code
 
-OFF = "spawnrun: the forkserver is off and every test spawns from now on: {reason}"
+    def wait_exitcode(self, timeout: float) -> int | None:
+        if self.exitcode is None and wait([self.sentinel], timeout):
+            self._code = self.zygote.exit_code(self.pid, timeout)
+        return self._code
+
+    def reaped(self) -> None:
+        if not self.gone:
+            with contextlib.suppress(OSError):
+                os.close(self.sentinel)
+        super().reaped()
 
 
 class ZygoteHolder:
-    """One zygote per run, started at the first spawned test, turned off for good on failure."""
+    """One zygote per run; replaced once if the automatic preload made it unsafe."""
 
     def __init__(self, preload: list[str]) -> None:
         self.preload = preload
         self.zygote: Zygote | None = None
-        self.warned = False
+        self.base: list[str] = []
+        self.auto: list[str] = []
+        self.off = ""
+        self.checked = False
 
-    def start(self, config: Any, options: dict[str, Any]) -> None:
-        """Start the template now, so its boot overlaps the parent's own collection."""
+    def start(self, config: Any) -> None:
+        """Start the template now, so its imports overlap the parent's own collection."""
         if self.zygote is not None:
             return
-        workdir = _runner.parent_basetemp(config) / "spawnrun" / "zygote"
-        workdir.mkdir(parents=True, exist_ok=True)
-        self.zygote = Zygote(
+        self.workdir = _runner.parent_basetemp(config) / "spawnrun" / "zygote"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.invocation_dir = str(config.invocation_params.dir)
+        self.rootdir = Path(config.rootpath)
+        self.base = _dedupe(["pytest", *plugin_modules(config, self.rootdir), *self.preload])
+        self.zygote = self._make(self.base)
+
+    def _make(self, modules: list[str]) -> Zygote:
+        return Zygote(
             proto.ZygoteSpec(
-                preload=self.preload,
-                option_dict=dict(options, basetemp=str(workdir / "tmp")),
-                plugin_args=_runner.plugin_args(config),
-                args=[str(a) for a in config.args],
-                invocation_dir=str(config.invocation_params.dir),
-                log_path=str(workdir / "output.log"),
+                modules=modules,
+                invocation_dir=self.invocation_dir,
+                log_path=str(self.workdir / "output.log"),
             )
         )
+
+    def collected(self) -> None:
+        """Collection is done: preload the libraries it imported."""
+        if self.zygote is None or self.off:
+            return
+        self.auto = [m for m in library_modules(self.rootdir) if m not in set(self.base)]
+        if self.auto:
+            self.zygote.preload(self.auto)
 
     def fork(
         self, config: Any, spec: proto.ChildSpec, env: Mapping[str, str]
     ) -> ForkedChild | None:
-        self.start(config, spec.option_dict)
+        if self.zygote is None:
+            self.start(config)
+        if self.off:
+            return None
         assert self.zygote is not None
+        if not self.checked:
+            self.checked = True
+            self._check(config)
+            if self.off:
+                return None
         child = self.zygote.fork(spec, env)
-        if child is None and not self.warned:
-            self.warned = True
-            _reports.record_warning(
-                config, _reports.warning(OFF.format(reason=self.zygote.off), "zygote"), ""
-            )
+        if isinstance(child, str):
+            self._turn_off(config, child)
+            return None
         return child
+
+    def _check(self, config: Any) -> None:
+        assert self.zygote is not None
+        ready = self.zygote.ready()
+        if not ready.problem:
+            return
+        if ready.culprit in self.auto:
+            clean = self.auto[: self.auto.index(ready.culprit)]
+            text = TRIMMED.format(module=ready.culprit, reason=ready.problem)
+            _reports.record_warning(config, _reports.warning(text, "spawnrun-zygote"), "")
+            self.zygote.close()
+            self.zygote = self._make(self.base + clean)
+            ready = self.zygote.ready()
+            if not ready.problem:
+                return
+        after = f" (after importing {ready.culprit})" if ready.culprit else ""
+        self._turn_off(config, f"the template cannot fork safely: {ready.problem}{after}")
+
+    def _turn_off(self, config: Any, reason: str) -> None:
+        self.off = reason
+        if self.zygote is not None:
+            self.zygote.close()
+        text = OFF.format(reason=reason)
+        _reports.record_warning(config, _reports.warning(text, "spawnrun-zygote"), "")
 
     def close(self) -> None:
         if self.zygote is not None:
             self.zygote.close()
+
+
+def _dedupe(names: list[str]) -> list[str]:
+    return list(dict.fromkeys(names))
+
+
+def plugin_modules(config: Any, rootdir: Path) -> list[str]:
+    """Modules of the plugins the parent loaded, outside the suite's own folder."""
+    names = []
+    for _, plugin in config.pluginmanager.list_name_plugin():
+        if isinstance(plugin, types.ModuleType) and _is_library(plugin, rootdir):
+            names.append(plugin.__name__)
+    return names
+
+
+def library_modules(rootdir: Path) -> list[str]:
+    """Third-party modules this process imported, in import order: the automatic preload.
+
+    Never a module below the rootdir (the suite, its conftests, an editable install of
+    the project under test), never the standard library (already cheap), never
+    spawnrun or ``__main__``.
+    """
+    return [name for name, module in list(sys.modules.items()) if _is_library(module, rootdir)]
+
+
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
+
+
+def _is_library(module: Any, rootdir: Path) -> bool:
+    name = getattr(module, "__name__", "") or ""
+    top = name.partition(".")[0]
+    if not name or top in _STDLIB or top in ("spawnrun", "__main__", "conftest"):
+        return False
+    if name.startswith("_pytest") or top == "pytest":
+        return False  # pytest itself comes first, whole
+    filename = getattr(module, "__file__", None)
+    if not filename:
+        return False
+    try:
+        path = Path(filename).resolve()
+    except (OSError, ValueError):
+        return False
+    return not path.is_relative_to(rootdir.resolve()) and not path.name.startswith("conftest")

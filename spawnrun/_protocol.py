@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -44,16 +44,19 @@ class Booted:
     found: bool
     #: Why the node id was not found: collection errors, or the ids that were.
     problem: str = ""
-    #: Non-empty when a device runtime (CUDA) got initialized while the child booted:
-    #: then the devices it would get with ``Go`` can no longer apply.
-    device_runtime: str = ""
 
 
 @dataclass(frozen=True)
 class Go:
-    #: Environment to set before the test runs (CUDA_VISIBLE_DEVICES of a child that
-    #: was booted ahead, before its devices were known).
-    env: dict[str, str] = field(default_factory=dict)
+    """Run the test now.
+
+    A child's devices are in its environment from its start; what travels here is only
+    how the parent's own environment changed since the child booted (an in-process test
+    or fixture may have set a variable), applied before setup.
+    """
+
+    env_set: dict[str, str] = field(default_factory=dict)
+    env_unset: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -94,29 +97,45 @@ Message = Booted | Report | WarningRecord | Interrupted | Done
 
 @dataclass(frozen=True)
 class ZygoteSpec:
-    """How to build the template: the parent's configuration, what to import first."""
+    """How to build the template: which library modules to import, nothing of the suite."""
 
-    preload: list[str]
-    option_dict: dict[str, Any]
-    plugin_args: list[str]
-    args: list[str]
+    modules: list[str]
     invocation_dir: str
     log_path: str
 
 
 @dataclass(frozen=True)
+class Preload:
+    """Import these modules too (what the parent's collection imported), in this order."""
+
+    modules: list[str]
+
+
+@dataclass(frozen=True)
 class ZygoteReady:
+    """The template imported what it was asked to (answer to the spec and to ``Preload``)."""
+
     pid: int
-    #: Non-empty when the template could not be built; the run then spawns.
+    #: Non-empty when the template cannot fork safely any more; the run then spawns.
     problem: str = ""
+    #: The first module whose import made it unsafe (a device runtime or a thread came
+    #: up), when one did; "" otherwise.
+    culprit: str = ""
+    #: Modules that failed to import (name and error): children import them themselves.
+    failed: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
 class ForkRequest:
-    """Fork a child for this test; its end of the pipe follows as a passed handle."""
+    """Fork a child for this test with this environment; its pipe end follows as a handle.
+
+    ``env`` is the parent's whole environment as it is now, with the child's devices and
+    marks; ``unset`` the variables the parent removed since the template started.
+    """
 
     spec: ChildSpec
     env: dict[str, str]
+    unset: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -126,7 +145,7 @@ class Forked:
 
 @dataclass(frozen=True)
 class Refused:
-    """The template will not fork (a device runtime is initialized in it): why."""
+    """The template will not fork (a device runtime or another thread runs in it): why."""
 
     reason: str
 

@@ -5,7 +5,9 @@ Runs in the parent. Message prefixes are constants so tests can import them.
 
 from __future__ import annotations
 
+import signal
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,9 +19,15 @@ DIED = "spawnrun: the child process running this test died"
 CHILD_NOTES = "spawnrun: child notes"
 TIMEOUT = "Timeout"
 REAPED = "spawnrun: reaped {n} process(es) left behind by this test"
+STUCK_EXIT = (
+    "spawnrun: the child of this test did not exit within {s:g} s of the test's end and "
+    "was killed (a non-daemon thread or process it left behind?)"
+)
 STACKS = "spawnrun: Python stacks of all threads of the child"
 CAPTURED = "spawnrun: output the test printed before the end (tail)"
 OUTPUT = "spawnrun: child process stdout/stderr (tail)"
+BOOT_NOTE = "spawnrun: booted ahead"
+TAIL_BYTES = 8192
 XFAIL_RAISES = (
     "spawnrun: the test is marked xfail(raises=...), and the death of a process "
     "is no exception of those types"
@@ -61,3 +69,62 @@ def make(
         stop=0.0,
         user_properties=list(item.user_properties),
     )
+
+
+def death_text(nodeid: str, phase: str, code: int | None) -> str:
+    """What killed a child: the signal (with the OOM hint for SIGKILL) or exit status."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        cause = f"killed by signal {name} ({-code})"
+        if -code == signal.SIGKILL:
+            cause += "; the kernel's out-of-memory killer is a common cause"
+    elif code is None:
+        cause = "ended with an unknown status before reporting the end of the test"
+    else:
+        cause = f"exited with status {code} before reporting the end of the test"
+    return f"{DIED} during {phase}: {cause}\nnode id: {nodeid}"
+
+
+def evidence(spec: Any, reaped: int) -> list[tuple[str, str]]:
+    """What a person needs to debug a dead or stuck child: stacks and output tails."""
+    sections = []
+    stacks_path = Path(spec.stacks_path)
+    workdir = stacks_path.parent
+    stacks = tail(stacks_path)
+    if stacks:
+        sections.append((STACKS, stacks))
+    captured = [tail(p) for p in sorted(workdir.glob("capture-*.out"))]
+    captured = [c for c in captured if c]
+    if captured:
+        sections.append((CAPTURED, "\n".join(captured)))
+    if spec.log_path:
+        out = tail(Path(spec.log_path))
+        if out:
+            sections.append((OUTPUT, out))
+    if reaped:
+        sections.append(("spawnrun", REAPED.format(n=reaped)))
+    return sections
+
+
+def size_of(path: str | Path) -> int:
+    try:
+        return Path(path).stat().st_size
+    except OSError:
+        return 0
+
+
+def tail(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, 2)
+            size = f.tell()
+            f.seek(max(0, size - TAIL_BYTES))
+            data = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    if size > TAIL_BYTES:
+        data = f"[... {size - TAIL_BYTES} bytes cut ...]\n" + data
+    return data.strip()

@@ -12,12 +12,10 @@ import os
 import pickle
 import re
 import signal
-import time
 from collections.abc import Iterator
 from collections.abc import Mapping
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +114,6 @@ def _environ(overrides: Mapping[str, str]) -> Iterator[None]:
 #: Children alive right now, so a SIGTERM to the parent can take them down too.
 LIVE: set[ChildProcess] = set()
 
-#: How long processes left behind by a test get between SIGTERM and SIGKILL.
-REAP_GRACE = 2.0
-
 
 def group_members(pgid: int) -> list[int]:
     """Pids in process group or session ``pgid`` (Linux /proc), excluding zombies."""
@@ -138,25 +133,10 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
-def reap(pgid: int, grace: float = REAP_GRACE) -> int:
-    """End every process left in the child's group or session; return how many there were."""
-    deadline = time.monotonic() + 0.3
-    members = group_members(pgid)
-    while members and time.monotonic() < deadline:
-        time.sleep(0.02)  # let processes that are already on their way out finish
-        members = group_members(pgid)
-    if not members:
-        return 0
-    for pid in members:
+def signal_pids(pids: list[int], signum: int) -> None:
+    for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and group_members(pgid):
-        time.sleep(0.05)
-    for pid in group_members(pgid):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    return len(members)
+            os.kill(pid, signum)
 
 
 def kill_all_live() -> None:
@@ -172,6 +152,12 @@ DIED = Died()
 
 
 class ChildProcess:
+    """A child as the parent's event loop sees it: a pipe, an exit to watch, a group.
+
+    Nothing here blocks: ``messages`` reads what is already in the pipe, ``exitcode``
+    asks without waiting, and the scheduler's loop waits on ``conn`` and ``sentinel``.
+    """
+
     def __init__(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
         conn, child_conn = CTX.Pipe(duplex=True)
         proc = CTX.Process(
@@ -183,81 +169,82 @@ class ChildProcess:
         with child_environ(env):
             proc.start()
         child_conn.close()
-        self._adopt(spec, conn, proc, proc.pid)  # type: ignore[arg-type]
+        self._proc: Any = proc
+        self._adopt(spec, conn, proc.pid or 0, proc.sentinel)
 
-    def _adopt(self, spec: proto.ChildSpec, conn: Connection, proc: Any, pid: int) -> None:
+    def _adopt(self, spec: proto.ChildSpec, conn: Connection, pid: int, sentinel: int) -> None:
         self.spec = spec
-        self.conn = conn
-        #: multiprocessing.Process, or what stands in for one (sentinel, join, exitcode).
-        self.proc: Any = proc
+        self.conn: Connection | None = conn
         self.pid = pid
+        #: Readable once the process has exited.
+        self.sentinel = sentinel
+        self.gone = False
         LIVE.add(self)
-        self.exitcode: int | None = None
-        #: How many processes the test left behind (known after ``finish``).
-        self.reaped = 0
-        self.killed_others = 0
 
-    def recv(self, timeout: float | None = None) -> proto.Message | Died | None:
-        """Next message; ``DIED`` once the child is gone; None on timeout."""
-        ready = wait([self.conn, self.proc.sentinel], timeout)
-        if not ready:
-            return None
-        # A dead child may still have messages in the pipe: read them first.
-        if self.conn in ready or self.conn.poll(0):
-            try:
-                msg: proto.Message = self.conn.recv()
-                return msg
-            except (EOFError, OSError):
-                return DIED
-        return DIED
+    @property
+    def exitcode(self) -> int | None:
+        """The exit code once the process is gone (-N: signal N), else None."""
+        code: int | None = self._proc.exitcode if self._proc is not None else None
+        return code
 
-    def go(self, env: Mapping[str, str]) -> None:
-        with contextlib.suppress(OSError):
-            self.conn.send(proto.Go(dict(env)))
-
-    def signal_group(self, signum: int) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signum)
-
-    def dump_stacks(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, _child.DUMP_SIGNAL)
-
-    def finish(self, grace: float = 30.0) -> int | None:
-        """Wait for the child to exit (killing it after ``grace``); return its exit code.
-
-        Idempotent: later calls return the first call's exit code.
-        """
-        if self.exitcode is not None or self.proc is None:
-            return self.exitcode
-        self.conn.close()
-        self.proc.join(min(grace, 1.0))
-        left = 0
-        if self.proc.exitcode is None:
-            # A child that does not exit may be waiting for what the test left behind
-            # (multiprocessing joins non-daemonic children at exit): end those first.
-            others = self._left_behind()
-            for pid in others:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGTERM)
-            left = len(others)
-            self.proc.join(grace)
-        if self.proc.exitcode is None:
-            self.kill()
-            self.proc.join()
-        self.exitcode = self.proc.exitcode
-        self.proc.close()
-        self.proc = None
-        LIVE.discard(self)
-        self.reaped = reap(self.pid) + left + self.killed_others
+    def wait_exitcode(self, timeout: float) -> int | None:
+        """The exit code, waiting at most ``timeout`` for a process known to be ending."""
+        if self._proc is not None and self._proc.exitcode is None:
+            self._proc.join(timeout)
         return self.exitcode
 
-    def kill(self) -> None:
-        if self.proc is not None and self.exitcode is None and not self.killed_others:
-            # Count what the test left behind before the group dies with the child.
-            self.killed_others = len(self._left_behind())
-        self.signal_group(signal.SIGKILL)
+    def messages(self) -> list[proto.Message | Died]:
+        """Everything the child has sent so far; ``DIED`` last once the pipe ended."""
+        out: list[proto.Message | Died] = []
+        conn = self.conn
+        while conn is not None:
+            try:
+                if not conn.poll(0):
+                    break
+                out.append(conn.recv())
+            except (EOFError, OSError):
+                out.append(DIED)
+                self.close_pipe()
+                break
+        return out
 
-    def _left_behind(self) -> list[int]:
+    def go(self, env_set: Mapping[str, str], env_unset: list[str]) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.send(proto.Go(dict(env_set), list(env_unset)))
+
+    def close_pipe(self) -> None:
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.close()
+            self.conn = None
+
+    def dump_stacks(self) -> None:
+        if not self.gone:
+            signal_pids([self.pid], _child.DUMP_SIGNAL)
+
+    def others(self) -> list[int]:
         """Processes of the child's group or session other than the child itself."""
         return [p for p in group_members(self.pid) if p != self.pid]
+
+    def kill(self) -> None:
+        """SIGKILL the child's group, and the child by pid in case it has no group yet.
+
+        A child killed before its ``setsid`` is not yet the leader of its own group; a
+        child already reaped is never signalled (its pid may be someone else's now).
+        """
+        if self.gone:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+        signal_pids([self.pid], signal.SIGKILL)
+
+    def reaped(self) -> None:
+        """The process is gone and its exit code known: release what watched it."""
+        self.gone = True
+        self.close_pipe()
+        if self._proc is not None:
+            self._proc.join(0)
+            with contextlib.suppress(ValueError):
+                self._proc.close()
+        LIVE.discard(self)

@@ -1,45 +1,65 @@
-"""Dispatch spawned tests onto free devices, several at a time, and replay them as they end.
+"""Run spawned tests on their devices, several at a time, from one event loop.
 
 Runs in the parent. Policy, in full:
 
-* Tests are dispatched in collection order. A spawned test's turn comes when pytest
-  reaches it; it then waits until a slot (``--spawn-jobs``) and the number of devices
-  it asks for (``@pytest.mark.gpu(count=N)``, default 1) are free, while the children
-  already running go on and are replayed as they finish. Later tests wait behind it, so
-  a large request is never starved by a stream of small ones; the price is that devices
-  can idle while a large request waits for the last of them. Grouping multi-GPU tests
-  (for example in one module) keeps that rare.
-* In-process tests run in the main process as usual, between dispatches; the running
-  children carry on meanwhile.
-* When pytest reaches the last test, every child is waited for, so the session's exit
-  status counts all of them. On ``-x``/``--maxfail`` nothing more is dispatched and the
-  children still running are killed and reported as skipped with the reason.
+* **Devices are fixed when a child starts.** A child booted ahead of its turn is planned
+  onto the devices with the fewest tests running or planned (ties: the lower index) and
+  starts with that ``CUDA_VISIBLE_DEVICES``; a child started at its turn takes the first
+  free devices. No child is ever told its devices later.
+* **Turns come in collection order.** A spawned test's turn comes when pytest reaches
+  it; it then waits for a slot (``--spawn-jobs``) and its devices, while the children
+  already running go on. Later tests wait behind it, so a large request is never starved
+  by small ones (devices may idle meanwhile: group multi-GPU tests).
+* **A planned device that stays busy is given up.** When a booted-ahead test's devices
+  are still busy at its turn while others are free, it waits about as long as a fresh
+  boot takes (the median boot seen so far); past that its child is replaced by one
+  started on the free devices ("replanned", counted in the summary).
+* **Exit is off the critical path.** A test's reports are replayed as soon as its child
+  says "done"; its exit, the reaping of what it left behind and the wait for NVML to
+  release its device memory are deadlines in the loop, and only the next test on the
+  same devices waits for them.
+* In-process tests run in the main process between turns; children carry on meanwhile.
+  At the last test every child's reports are waited for, so the exit status counts them.
+  On ``-x``/``--maxfail`` nothing more starts; running children are killed and their
+  tests reported as skipped with the reason.
 * Under pytest-xdist each worker runs one child at a time and the workers share the
-  devices through a file ledger (see ``_devices.Ledger``).
+  devices through a file ledger (``_devices.Ledger``).
+
+The loop (``loop_once``) waits on every child's pipe and exit, the zygote's pipe and the
+nearest deadline at once, then calls one small handler per event (``_jobs.Job``); no
+handler waits for a process, so a child stuck in its exit never delays another child's
+timeout.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Sequence
 from multiprocessing.connection import wait
 from typing import Any
 
 import pytest
 
 from spawnrun import _devices
+from spawnrun import _forkserver
 from spawnrun import _replay
 from spawnrun import _reports
+from spawnrun import _runner
+from spawnrun._jobs import IN_SLOT
+from spawnrun._jobs import LISTENING
+from spawnrun._jobs import Job
+from spawnrun._jobs import State
 
 STOPPED = (
     "spawnrun: stopped while running, because the session stopped (-x, --maxfail or an interrupt)"
 )
-RESTARTED = (
-    "spawnrun: booting ahead did not apply to {nodeid}: {runtime} was initialized while its "
-    "child booted (a conftest or test module touches the GPU at import), so its devices are "
-    "set when its child starts, at its turn, instead"
-)
-#: How often a test waiting for devices held by another process looks again.
+#: The next spawned tests: item, timeout, devices it needs, whether it hides devices.
+Upcoming = Sequence[tuple[pytest.Item, float | None, int, bool]]
+#: How often a test waiting for devices held by another xdist worker looks again.
 _LEDGER_POLL = 0.05
+#: Assumed boot time before any child has booted (seconds).
+_DEFAULT_BOOT = 2.0
 
 
 class Scheduler:
@@ -49,17 +69,25 @@ class Scheduler:
         limit: int,
         settle: float | None,
         lookahead: int = 0,
+        zygote: _forkserver.ZygoteHolder | None = None,
     ) -> None:
         self.allocator = allocator
         self.limit = limit
         self.settle = settle
         self.lookahead = lookahead
-        self.running: list[_replay.Job] = []
+        self.zygote = zygote
+        #: Every job not yet finished, in the order they were created.
+        self.jobs: list[Job] = []
         #: Jobs booted ahead of their turn, by node id.
-        self.ahead: dict[str, _replay.Job] = {}
-        self.restart_warned = False
+        self.ahead: dict[str, Job] = {}
+        #: Children no job needs any more (killed), until they are gone.
+        self.graveyard: list[_runner.ChildProcess] = []
         #: (node id, seconds) of waits for device memory longer than a second.
         self.long_settles: list[tuple[str, float]] = []
+        self.boot_times: list[float] = []
+        self.replans = 0
+
+    # Turns ---------------------------------------------------------------------------
 
     def submit(
         self,
@@ -68,131 +96,242 @@ class Scheduler:
         timeout: float | None,
         count: int,
         hide_devices: bool,
+        upcoming: Upcoming = (),
     ) -> None:
+        """pytest reached ``item``: start it as soon as a slot and its devices allow.
+
+        ``upcoming`` (the next spawned tests) boot ahead meanwhile, also while this one
+        waits for its devices.
+        """
         parent_error = _replay.parent_teardown(item, nextitem)
-        while True:
-            if item.session.shouldfail or item.session.shouldstop:
-                return  # as pytest: nothing new starts once the session is stopping
-            devices = self.allocator.take(count) if len(self.running) < self.limit else None
-            if devices is not None:
-                break
-            if self.running:
-                self.pump(block=True)
-            else:
-                time.sleep(_LEDGER_POLL)  # devices are held by another xdist worker
-        env = {}
-        if devices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-        elif hide_devices:
-            env["CUDA_VISIBLE_DEVICES"] = ""
         job = self.ahead.pop(item.nodeid, None)
         if job is None:
-            job = _replay.Job(item, timeout, env, parent_error)
-        else:
-            job.parent_error = parent_error
-            job.timeout = timeout
-            if job.restart and not self.restart_warned:
-                self.restart_warned = True
-                _warn(item, RESTARTED.format(nodeid=item.nodeid, runtime=job.restart))
-        if devices:
-            job.replay.properties.append(("spawnrun_devices", ",".join(devices)))
-        job.devices = devices
-        job.baseline = _devices.used_memory(devices) if devices and self.settle else None
-        try:
-            if job.child is None:
-                job.start()
+            job = Job(item, timeout, [], hide_devices, self.settle)
+            self.jobs.append(job)
+        if not item.session.shouldstop:
+            self.prefetch(upcoming)
+        job.timeout = timeout
+        job.turn(parent_error)
+        if job.reported:
+            # Its child died while booting ahead: that is the test's report.
+            job.replayed = True
+            self._replay(job)
+            return
+        waiting_since = time.monotonic()
+        while True:
+            session = item.session
+            if session.shouldfail or session.shouldstop:
+                self._drop(job)  # as pytest: nothing new starts once the session stops
+                return
+            if self._try_go(job, count, time.monotonic() - waiting_since):
+                return
+            patience = self._expected_boot() - (time.monotonic() - waiting_since)
+            timeout = patience if job.devices and patience > 0 else None
+            if not self._running():
+                # Nothing of ours runs: the devices are held by another xdist worker.
+                timeout = min(_LEDGER_POLL, timeout or _LEDGER_POLL)
+            self.loop_once(timeout)
+
+    def _try_go(self, job: Job, count: int, waited: float) -> bool:
+        if sum(1 for j in self.jobs if j.turned and j.state in IN_SLOT) >= self.limit:
+            return False
+        if job.child is None:
+            devices = self.allocator.take(count) if count else []
+            if devices is None:
+                return False
+            job.devices = job.held = devices
+            job.start()
+        elif job.devices:
+            if self.allocator.take_exact(job.devices):
+                job.held = job.devices
+            elif waited >= self._expected_boot() and len(self.allocator.free()) >= count:
+                devices = self.allocator.take(count)
+                assert devices is not None
+                self._replan(job, devices)
             else:
-                job.dispatch(env)
-        except BaseException:
-            self._release(job)
-            raise
-        self.running.append(job)
+                return False
+        job.go()
+        return True
 
-    def prefetch(self, upcoming: list[tuple[pytest.Item, float | None]]) -> None:
-        """Boot children for the next spawned tests (with their timeouts) ahead of time."""
-        for item, timeout in upcoming[: self.lookahead]:
-            if item.nodeid not in self.ahead and len(self.ahead) < self.lookahead:
-                job = _replay.Job(item, timeout)
-                job.start()
-                self.ahead[item.nodeid] = job
+    def _replan(self, job: Job, devices: list[str]) -> None:
+        """Replace a booted-ahead child planned on busy devices by one on free devices."""
+        self.replans += 1
+        job.retire_child()
+        self.graveyard.extend(job.take_retired())
+        job.devices = job.held = devices
+        job.reset_candidates()
+        job.start()
 
-    def pump(self, block: bool) -> None:
-        """Handle what the children said; replay the tests that ended, in that order."""
-        listening = [
-            j
-            for j in [*self.running, *self.ahead.values()]
-            if not j.done and j.child is not None and j.child.proc is not None
-        ]
-        waitables: dict[Any, _replay.Job] = {}
-        for job in listening:
-            assert job.child is not None
-            waitables[job.child.conn] = job
-            waitables[job.child.proc.sentinel] = job
-        timeout: float | None = 0.0
-        if block and not any(j.done for j in self.running):
-            deadlines = [j.deadline for j in self.running if j.deadline is not None]
-            timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-        ready = wait(list(waitables), timeout) if waitables else []
-        for job in {id(waitables[r]): waitables[r] for r in ready}.values():
-            while not job.done and job.child is not None and job.child.proc is not None:
-                msg = job.child.recv(0)
-                if msg is None:
-                    break
-                job.on_message(msg)
+    def _expected_boot(self) -> float:
+        return statistics.median(self.boot_times) if self.boot_times else _DEFAULT_BOOT
+
+    def _running(self) -> bool:
+        return any(j.turned and j.state in IN_SLOT for j in self.jobs)
+
+    def prefetch(self, upcoming: Upcoming) -> None:
+        """Boot children for the next spawned tests, each on the devices planned for it."""
+        for item, timeout, count, hide in upcoming[: self.lookahead]:
+            if len(self.ahead) >= self.lookahead:
+                return
+            if item.nodeid in self.ahead or any(j.item is item for j in self.jobs):
+                continue
+            devices = self._plan(count) if count else []
+            job = Job(item, timeout, devices, hide, self.settle)
+            job.start()
+            self.ahead[item.nodeid] = job
+            self.jobs.append(job)
+
+    def _plan(self, count: int) -> list[str]:
+        load: dict[str, int] = {}
+        for job in self.jobs:
+            for device in job.devices:
+                load[device] = load.get(device, 0) + 1
+        ours = {d for j in self.jobs for d in j.held}
+        for device in set(self.allocator.ids) - set(self.allocator.free()) - ours:
+            load[device] = load.get(device, 0) + 1  # held by another xdist worker
+        return _devices.least_loaded(self.allocator.ids, load, count)
+
+    # The loop ------------------------------------------------------------------------
+
+    def loop_once(self, timeout: float | None) -> None:
+        """Wait for the next event (a message, an exit, a deadline) and handle it."""
+        events: dict[Any, tuple[str, Any]] = {}
+        for job in self.jobs:
+            child = job.child
+            if child is None or child.gone:
+                continue
+            if child.conn is not None and job.state in LISTENING:
+                events[child.conn] = ("message", job)
+            events[child.sentinel] = ("exit", job)
+        for dead in self.graveyard:
+            events[dead.sentinel] = ("grave", dead)
+        zygote = self.zygote.zygote if self.zygote is not None else None
+        if zygote is not None and not zygote.closed:
+            events[zygote.conn] = ("zygote", zygote)
+        deadlines = [j.deadline for j in self.jobs if j.deadline is not None]
+        if deadlines:
+            until = max(0.0, min(deadlines) - time.monotonic())
+            timeout = until if timeout is None else min(timeout, until)
+        ready = wait(list(events), timeout) if events else _sleep(timeout)
+        for key in ready:
+            kind, target = events[key]
+            if kind == "zygote":
+                target.drain()
+        for key in ready:
+            kind, target = events[key]
+            if kind == "message" and target.child is not None and target.child.conn is key:
+                for msg in target.child.messages():
+                    target.on_message(msg)
+            elif kind == "exit" and target.child is not None and target.child.sentinel is key:
+                target.on_exit()
+            elif kind == "grave":
+                target.wait_exitcode(1.0)
+                target.reaped()
+                self.graveyard.remove(target)
         now = time.monotonic()
-        for job in self.running:
-            if not job.done and job.deadline is not None and now >= job.deadline:
-                job.on_timeout()
-        finished = [j for j in self.running if j.done]
-        self.running = [j for j in self.running if not j.done]
-        for job in finished:
-            self._release(job)
-        for job in finished:
-            job.replay_and_raise()
+        for job in list(self.jobs):
+            job.on_deadline(now)
+        self._after_events()
+
+    def _after_events(self) -> None:
+        """Collect what the handlers produced: boot times, reports to replay, ends."""
+        due = []
+        for job in list(self.jobs):
+            self.graveyard.extend(job.take_retired())
+            if job.boot_seconds is not None and not job.boot_counted:
+                job.boot_counted = True
+                self.boot_times.append(job.boot_seconds)
+            if job.turned and job.reported and not job.replayed:
+                job.replayed = True
+                due.append(job)
+            if job.state is State.FINISHED:
+                self._finished(job)
+        for job in due:
+            self._replay(job)
+
+    def _finished(self, job: Job) -> None:
+        # A job that finished before its turn stays in ``ahead``: its turn replays it.
+        self.jobs.remove(job)
+        held, job.held = job.held, []
+        if held:
+            self.allocator.give_back(held)
+        if job.settled_after > 1.0:
+            self.long_settles.append((job.item.nodeid, job.settled_after))
+        texts = [job.stuck] if job.stuck else []
+        if job.reaped_count:
+            texts.append(_reports.REAPED.format(n=job.reaped_count))
+        for text in texts if job.turned else []:
+            warning = _reports.warning(text, str(job.item.path), (job.item.location[1] or 0) + 1)
+            _reports.record_warning(job.item.config, warning, job.item.nodeid)
+
+    def _replay(self, job: Job) -> None:
+        """Replay what the child reported; re-raise its pytest.exit / KeyboardInterrupt."""
+        if job.interrupted is not None:
+            # As in-process: the reports so far, then the session stops.
+            job.replay.emit(None, interrupted=True)
+            if job.interrupted.keyboard:
+                raise KeyboardInterrupt
+            pytest.exit(job.interrupted.message, job.interrupted.returncode)
+        job.replay.emit(job.parent_error)
+
+    # Ends ----------------------------------------------------------------------------
 
     def drain(self) -> None:
-        while self.running:
-            self.pump(block=True)
+        """Wait until every test whose turn came has been replayed."""
+        while any(j.turned and not j.replayed for j in self.jobs):
+            self.loop_once(None)
+
+    def _drop(self, job: Job) -> None:
+        """A job that will not run after all: end its child, report nothing."""
+        job.turned = False
+        job.abort(STOPPED)
 
     def abort(self) -> None:
-        """The session stops: end every child, report each test as stopped."""
-        self._drop_ahead()
-        jobs, self.running = self.running, []
-        for job in jobs:
+        """The session stops: end every child, report each running test as stopped."""
+        for job in list(self.jobs):
+            if not job.turned:
+                self.ahead.pop(job.item.nodeid, None)
             job.abort(STOPPED)
-            self._release(job)
-        for job in jobs:
-            job.replay.emit(job.parent_error)
+        self._after_events()
+
+    def finish(self, limit: float = 15.0) -> None:
+        """Session end: wait (bounded) for every child to be gone and reaped."""
+        end = time.monotonic() + limit
+        while (self.jobs or self.graveyard) and time.monotonic() < end:
+            self.loop_once(min(1.0, max(0.0, end - time.monotonic())))
+        self.kill_all()
 
     def kill_all(self) -> None:
         """Last resort (an exception is unwinding): end every child, report nothing."""
-        self._drop_ahead()
-        jobs, self.running = self.running, []
-        for job in jobs:
+        for job in self.jobs:
             if job.child is not None:
                 job.child.kill()
-                job.child.finish()
-            self._release(job)
+                self.graveyard.append(job.child)
+            self.graveyard.extend(job.take_retired())
+            if job.held:
+                self.allocator.give_back(job.held)
+        self.jobs, self.ahead = [], {}
+        for child in self.graveyard:
+            child.kill()
+            child.wait_exitcode(2.0)
+            child.reaped()
+        self.graveyard = []
 
-    def _drop_ahead(self) -> None:
-        # Children booted for tests that will not run now: end them, report nothing,
-        # as pytest reports nothing for tests after a stop.
-        jobs, self.ahead = list(self.ahead.values()), {}
-        for job in jobs:
-            if job.child is not None:
-                job.child.kill()
-                job.child.finish()
+    # Summary -------------------------------------------------------------------------
 
-    def _release(self, job: _replay.Job) -> None:
-        devices, job.devices = job.devices, []
-        baseline, job.baseline = job.baseline, None
-        if baseline and self.settle:
-            waited = _devices.settle(baseline, self.settle)
-            if waited > 1.0:
-                self.long_settles.append((job.item.nodeid, waited))
-        if devices:
-            self.allocator.give_back(devices)
+    def boot_summary(self) -> str:
+        if not self.boot_times:
+            return ""
+        times = sorted(self.boot_times)
+        text = (
+            f"{len(times)} children booted, median {statistics.median(times):.2f}s, "
+            f"slowest {times[-1]:.2f}s"
+        )
+        if self.replans:
+            text += f"; {self.replans} replanned onto other devices"
+        return text
 
 
-def _warn(item: pytest.Item, text: str) -> None:
-    _reports.record_warning(item.config, _reports.warning(text, str(item.path)), item.nodeid)
+def _sleep(timeout: float | None) -> list[Any]:
+    time.sleep(_LEDGER_POLL if timeout is None else timeout)
+    return []

@@ -2,7 +2,7 @@
 
 Runs in the parent (and, inert, in every child: there it only registers the marker
 and options so the child's configuration matches the parent's). Wiring only; process
-code lives in ``_runner``, ``_replay`` and ``_scheduler``.
+code lives in ``_runner``, ``_jobs`` and ``_scheduler``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from spawnrun import _child
 from spawnrun import _cudawatch
 from spawnrun import _devices
 from spawnrun import _forkserver
-from spawnrun import _replay
+from spawnrun import _jobs
 from spawnrun import _runner
 from spawnrun import _scheduler
 from spawnrun import _settings
@@ -65,11 +65,16 @@ def pytest_configure(config: pytest.Config) -> None:
     lookahead = settings.lookahead
     if lookahead is None:
         lookahead = _settings.default_lookahead()
-    config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
-        _devices.allocator_for(inventory.ids, os.environ), limit, settings.settle, lookahead
-    )
+    holder = None
     if settings.method == "forkserver":
-        config.stash[_replay.ZYGOTE_KEY] = _forkserver.ZygoteHolder(list(settings.preload))
+        holder = config.stash[_jobs.ZYGOTE_KEY] = _forkserver.ZygoteHolder(list(settings.preload))
+    config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
+        _devices.allocator_for(inventory.ids, os.environ),
+        limit,
+        settings.settle,
+        lookahead,
+        holder,
+    )
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
     _install_sigterm(config)
@@ -119,16 +124,23 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if SETTINGS_KEY not in config.stash:
         return
     # Once, when every plugin has configured itself: all children get these options.
-    options = config.stash[_replay.OPTIONS_KEY] = _runner.forwarded_options(config)
-    holder = config.stash.get(_replay.ZYGOTE_KEY, None)
+    config.stash[_jobs.OPTIONS_KEY] = _runner.forwarded_options(config)
+    holder = config.stash.get(_jobs.ZYGOTE_KEY, None)
     if holder is not None:
-        holder.start(config, options)
+        holder.start(config)
 
 
 @pytest.hookimpl
 def pytest_collectstart() -> None:
     # torch may first be imported by a test module: watch its CUDA init from then on.
     _cudawatch.watch()
+
+
+@pytest.hookimpl
+def pytest_collection_finish(session: pytest.Session) -> None:
+    holder = session.config.stash.get(_jobs.ZYGOTE_KEY, None)
+    if holder is not None:
+        holder.collected()  # preload in the template what collection imported
 
 
 @pytest.hookimpl(trylast=True)
@@ -182,8 +194,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if scheduler is None:
         return None
     if not _spawns(item):
-        scheduler.pump(block=False)  # replay children that ended meanwhile
-        _prefetch(item, nextitem, scheduler)
+        scheduler.loop_once(0)  # replay children that ended meanwhile
+        scheduler.prefetch(_upcoming(item, nextitem, scheduler))
         return None
     settings = config.stash[SETTINGS_KEY]
     overrides = _overrides(item)
@@ -195,8 +207,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         timeout=overrides.get("timeout", settings.timeout),
         count=_device_count(item, settings, overrides),
         hide_devices=marked,
+        upcoming=_upcoming(item, nextitem, scheduler),
     )
-    _prefetch(item, nextitem, scheduler)
     if scheduler.limit == 1:
         # One at a time: the test's reports arrive inside its own protocol, as
         # pytest-xdist's workers require and as plain pytest would do.
@@ -211,12 +223,12 @@ def _overrides(item: pytest.Item) -> dict[str, Any]:
     return overrides
 
 
-def _prefetch(
+def _upcoming(
     item: pytest.Item, nextitem: pytest.Item | None, scheduler: _scheduler.Scheduler
-) -> None:
-    """Boot children for the next spawned tests while this one runs."""
+) -> list[tuple[pytest.Item, float | None, int, bool]]:
+    """The next spawned tests after ``item`` (timeout, devices, hidden): to boot ahead."""
     if not scheduler.lookahead or nextitem is None:
-        return
+        return []
     session = item.session
     if _xdist_worker():
         # A worker's order is the controller's to decide: only nextitem is known.
@@ -229,10 +241,14 @@ def _prefetch(
         start = index.get(nextitem.nodeid, len(session.items))
         candidates = session.items[start : start + 4 * scheduler.lookahead]
     settings = item.config.stash[SETTINGS_KEY]
-    upcoming = [
-        (it, _overrides(it).get("timeout", settings.timeout)) for it in candidates if _spawns(it)
-    ]
-    scheduler.prefetch(upcoming)
+    upcoming = []
+    for it in candidates:
+        if _spawns(it):
+            overrides = _overrides(it)
+            timeout = overrides.get("timeout", settings.timeout)
+            marked = it.get_closest_marker(_settings.MARKER) is not None
+            upcoming.append((it, timeout, _device_count(it, settings, overrides), marked))
+    return upcoming
 
 
 class _AfterEachTest:
@@ -254,12 +270,15 @@ class _AfterEachTest:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_sessionfinish(session: pytest.Session) -> None:
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:
         return
-    scheduler.kill_all()  # only left after an exception or interrupt
-    holder = session.config.stash.get(_replay.ZYGOTE_KEY, None)
+    if exitstatus == pytest.ExitCode.INTERRUPTED:
+        scheduler.kill_all()
+    else:
+        scheduler.finish()  # children still exiting, reaping or settling
+    holder = session.config.stash.get(_jobs.ZYGOTE_KEY, None)
     if holder is not None:
         holder.close()
     # Children finish in any order; the summary lists tests in collection order.
@@ -273,6 +292,9 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 @pytest.hookimpl
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     scheduler = terminalreporter.config.stash.get(SCHEDULER_KEY, None)
+    if scheduler is not None and scheduler.boot_times:
+        terminalreporter.write_sep("-", "spawnrun")
+        terminalreporter.write_line(scheduler.boot_summary())
     if scheduler is not None and scheduler.long_settles:
         terminalreporter.section("spawnrun: waits for device memory")
         for nodeid, seconds in scheduler.long_settles:

@@ -1,13 +1,21 @@
-"""The zygote (--spawn-method forkserver): forks per test, and refuses to fork a device."""
+"""The zygote (--spawn-method forkserver): a library-only template that forks per test.
+
+It never imports the suite's conftests or test modules, so a device initialized there at
+import is initialized in each forked child for itself; it refuses to fork (and the run
+spawns) when something in the template itself is unsafe to fork.
+"""
 
 from __future__ import annotations
+
+import json
+import time
 
 import pytest
 
 from spawnrun import _forkserver
 
 DEVICE_SUITE = """
-import os
+import json, os
 import pytest
 import fakedevice
 
@@ -15,47 +23,148 @@ import fakedevice
 @pytest.mark.parametrize("x", [1, 2, 3])
 def test_uses_device(x):
     assert fakedevice.compute(x) == 2 * x
-"""
-
-GUARD_HOOK = """
-def pytest_spawnrun_device_state(config):
-    return "fakedevice is initialized" if fakedevice.is_initialized() else None
+    with open(f"where{x}.json", "w") as f:
+        json.dump([os.getpid(), os.getppid()], f)
 """
 
 
-@pytest.mark.parametrize("guarded", [True, False], ids=["with-guard-hook", "control"])
-def test_device_initialized_in_template_falls_back_to_spawn(pytester, fakedevice, guarded):
-    conftest = "import fakedevice\nfakedevice.init()  # at import, in every process\n"
-    pytester.makeconftest(conftest + (GUARD_HOOK if guarded else ""))
+RECORD_PARENT = (
+    "import os, spawnrun\n"
+    "if not spawnrun.is_child():\n"
+    "    with open('parent.pid', 'w') as f:\n"
+    "        f.write(str(os.getpid()))\n"
+)
+
+
+def _forked(pytester: pytest.Pytester, n: int) -> bool:
+    """Whether the n tests ran in distinct children forked from one template (else spawned)."""
+    rows = [json.loads((pytester.path / f"where{i}.json").read_text()) for i in range(1, n + 1)]
+    assert len({pid for pid, _ in rows}) == n
+    parents = {ppid for _, ppid in rows}
+    pytest_pid = int((pytester.path / "parent.pid").read_text())
+    assert parents == {pytest_pid} or pytest_pid not in parents
+    return parents != {pytest_pid} and len(parents) == 1
+
+
+def test_device_initialized_by_the_conftest_at_import_keeps_forking(pytester, fakedevice):
+    # The vLLM case: the conftest touches the device at import. The template never runs
+    # the conftest, so each forked child initializes the device for itself.
+    pytester.makeconftest(RECORD_PARENT + "import fakedevice\nfakedevice.init()  # at import\n")
     pytester.makepyfile(test_device=DEVICE_SUITE)
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--spawn-method", "forkserver", "-W", "default"
     )
-    if guarded:
-        # The template refuses to fork; every test spawns and passes; one warning says why.
-        result.assert_outcomes(passed=3, warnings=1)
-        result.stdout.fnmatch_lines(
-            [f"*{_forkserver.OFF.format(reason='fakedevice is initialized')}*"]
-        )
-    else:
-        # The control: forked from a template holding the device, the tests break.
-        result.assert_outcomes(failed=3)
-        result.stdout.fnmatch_lines(["*Cannot re-initialize FakeDevice in forked subprocess*"])
+    result.assert_outcomes(passed=3)
+    result.stdout.no_fnmatch_line("*forkserver is off*")
+    assert _forked(pytester, 3)
 
 
-def test_cuda_initialized_by_a_conftest_is_named(pytester, fake_torch):
-    pytester.makeini("[pytest]\nspawn_preload = torch\nspawn_method = forkserver\n")
-    pytester.makeconftest(
-        "import spawnrun, torch\n"
-        "if spawnrun.is_child():\n"
-        "    torch.cuda._lazy_init()  # touches CUDA in every child (and the template)\n"
+UNSAFE = {
+    "device": (
+        "import fakedevice\nfakedevice.init()\n"
+        "def pytest_spawnrun_device_state(config=None):\n"
+        "    return 'fakedevice is initialized' if fakedevice.is_initialized() else None\n",
+        "fakedevice is initialized",
+    ),
+    "thread": (
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(300,), daemon=True, name='pool').start()\n",
+        "1 other thread(s) run in it (pool)",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(UNSAFE))
+def test_unsafe_preload_turns_the_zygote_off(pytester, fakedevice, kind):
+    source, reason = UNSAFE[kind]
+    pytester.makepyfile(unsafe=source)
+    pytester.makeconftest(RECORD_PARENT)
+    pytester.makepyfile(test_device=DEVICE_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--spawn-method",
+        "forkserver",
+        "--spawn-preload",
+        "unsafe",
+        "-W",
+        "default",
     )
-    pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "default")
-    result.assert_outcomes(passed=1, warnings=1)
-    result.stdout.fnmatch_lines(
-        ["*forkserver is off*torch.cuda is initialized (by *conftest.py:3 in <module>)*"]
+    # The template refuses to fork; every test spawns and passes; one warning says why.
+    result.assert_outcomes(passed=3, warnings=1)
+    result.stdout.fnmatch_lines([f"*{_forkserver.OFF.format(reason='')}*{reason}*unsafe*"])
+    assert not _forked(pytester, 3)
+
+
+def test_automatic_preload_stops_before_an_unsafe_library(pytester, monkeypatch):
+    # A library outside the rootdir that the collection imported is preloaded; one
+    # that starts a thread at import is left to the children, and forking goes on.
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    libs.mkdir()
+    (libs / "quietlib.py").write_text("VALUE = 1\n")
+    (libs / "threadlib.py").write_text(
+        "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n"
     )
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    pytester.makeconftest(RECORD_PARENT)
+    pytester.makepyfile(
+        test_libs="""
+        import json, os, sys
+        import pytest
+        import quietlib, threadlib
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_x(x):
+            with open(f"where{x}.json", "w") as f:
+                json.dump([os.getpid(), os.getppid()], f)
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-method", "forkserver", "-W", "default"
+    )
+    result.assert_outcomes(passed=2, warnings=1)
+    result.stdout.fnmatch_lines(["*automatic preload stopped before threadlib*other thread*"])
+    result.stdout.no_fnmatch_line("*forkserver is off*")
+    assert _forked(pytester, 2)
+
+
+def test_openmp_at_import_and_executors_in_forked_children(pytester):
+    # A test module that runs OpenMP-parallel torch math at import (as e3nn's do) and a
+    # test that uses a ProcessPoolExecutor: forked children neither hang on a thread
+    # pool that does not exist in them nor leave leaked-semaphore warnings.
+    pytester.makepyfile(
+        test_omp="""
+        import concurrent.futures
+        import pytest
+        import torch
+
+        A = torch.randn(512, 512)
+        A @ A
+
+        @pytest.mark.gpu(timeout=60)
+        @pytest.mark.parametrize("i", range(2))
+        def test_matmul(i):
+            assert (A @ A).shape == (512, 512)
+
+        def square(x):
+            return x * x
+
+        @pytest.mark.gpu(timeout=60)
+        def test_executor():
+            with concurrent.futures.ProcessPoolExecutor(2) as pool:
+                assert list(pool.map(square, range(4))) == [0, 1, 4, 9]
+        """
+    )
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-method", "forkserver", "-W", "default"
+    )
+    result.assert_outcomes(passed=3)
+    result.stdout.no_fnmatch_line("*forkserver is off*")
+    assert "leaked" not in result.stdout.str() + result.stderr.str()
+    assert time.monotonic() - start < 120
 
 
 def test_forked_children_are_separate_processes_with_own_tmp_path(pytester):
@@ -77,8 +186,6 @@ def test_forked_children_are_separate_processes_with_own_tmp_path(pytester):
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-method", "forkserver")
     result.assert_outcomes(passed=3)
-    import json
-
     rows = [json.loads((pytester.path / f"where{i}.json").read_text()) for i in range(3)]
     pids, parents, tmps = zip(*rows, strict=True)
     assert len(set(pids)) == 3 and len(set(tmps)) == 3

@@ -1,0 +1,445 @@
+"""One spawned test's life in the parent, as an explicit state machine.
+
+Runs in the parent. A ``Job`` owns one child process (and, on a fallback collection, its
+successor) and reacts to three kinds of event, each in a small handler that never
+blocks: a message from the child, the child's exit, and the job's next deadline. The
+scheduler (``_scheduler``) waits on every job's pipe, exit and deadline at once and
+calls these handlers; it decides *when* a job may start, the job decides *what* its
+child's messages mean.
+
+States, in order (a job may skip some)::
+
+    AHEAD     started before its turn, still booting (importing, collecting)
+    WAITING   booted ahead, waiting for its turn
+    BOOTING   its turn came before it finished booting: it goes when booted
+    RUNNING   go sent: setup, call, teardown
+    DUMPING   timed out: its stacks are being written, then it is killed
+    EXITING   its test is over and reported; the process is ending
+    REAPING   the process is gone; what it left behind is being ended
+    SETTLING  waiting for NVML to stop listing its processes on its devices
+    FINISHED  devices free again
+
+A test's reports are complete ("reported") from EXITING on, and are replayed by the
+scheduler then, not when the process has exited: the exit, the reaping and the wait for
+device memory are deadlines in the loop, off the test's critical path.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import signal
+import time
+from collections.abc import Mapping
+from itertools import count
+from typing import Any
+
+import pytest
+
+from spawnrun import CHILD_ENV
+from spawnrun import _devices
+from spawnrun import _forkserver
+from spawnrun import _protocol as proto
+from spawnrun import _replay
+from spawnrun import _reports
+from spawnrun import _runner
+
+_serial = count(1)
+#: The parent's forwarded options, computed once per run.
+OPTIONS_KEY = pytest.StashKey[dict[str, Any]]()
+#: Set with --spawn-method forkserver.
+ZYGOTE_KEY = pytest.StashKey[_forkserver.ZygoteHolder]()
+
+#: How long a child may take to boot once its turn has come (a hanging conftest).
+BOOT_LIMIT = 600.0
+#: How long faulthandler gets to write the stacks of a timed-out child.
+DUMP_LIMIT = 2.0
+#: After "done", how long a child may take to exit before what it left behind is ended,
+#: and after that, before the child itself is killed.
+EXIT_GRACE = 5.0
+#: Processes left behind get this long between SIGTERM and SIGKILL.
+REAP_GRACE = 2.0
+#: How long processes on their way out get before they count as left behind.
+REAP_PATIENCE = 0.3
+#: How often a state that watches something without an event looks again.
+POLL = 0.05
+
+
+class State(enum.Enum):
+    AHEAD = "booting ahead"
+    WAITING = "booted ahead"
+    BOOTING = "booting"
+    RUNNING = "running"
+    DUMPING = "dumping stacks"
+    EXITING = "exiting"
+    REAPING = "reaping"
+    SETTLING = "settling"
+    FINISHED = "finished"
+
+
+#: States in which the child may still send messages about the test.
+LISTENING = {State.AHEAD, State.WAITING, State.BOOTING, State.RUNNING, State.DUMPING}
+#: States that hold one of the run's slots (children running a test at once).
+IN_SLOT = {State.BOOTING, State.RUNNING, State.DUMPING}
+
+
+class Job:
+    """A spawned test in flight: its child, its devices, its state, its buffered reports.
+
+    ``devices`` are fixed when its child starts, in the child's environment from the
+    first instruction on; a job booted ahead runs on the devices it was planned on or
+    is started afresh on others (``replan``), never told new devices later.
+    """
+
+    def __init__(
+        self,
+        item: pytest.Item,
+        timeout: float | None,
+        devices: list[str],
+        hide_devices: bool,
+        settle: float | None,
+    ) -> None:
+        self.item = item
+        self.timeout = timeout
+        self.devices = devices
+        self.hide_devices = hide_devices
+        self.settle = settle
+        self.replay = _replay.Replay(item)
+        self.candidates = _candidate_args(item)
+        self.problems: list[str] = []
+        self.child: _runner.ChildProcess | None = None
+        #: The devices it holds in the allocator (its planned ones, from its go on).
+        self.held: list[str] = []
+        self.boot_counted = False
+        #: Children this job no longer needs (a fallback replaced one): to be reaped.
+        self.retired: list[_runner.ChildProcess] = []
+        self.state = State.AHEAD
+        #: Whether pytest has reached this test (its turn); set once, by ``turn``.
+        self.turned = False
+        self.replayed = False
+        self.parent_error: pytest.TestReport | None = None
+        self.interrupted: proto.Interrupted | None = None
+        self.deadline: float | None = None
+        #: When the current state's watch started (dump, exit, reap, settle).
+        self.since = 0.0
+        self.started = time.monotonic()
+        self.went = 0.0
+        self.boot_seconds: float | None = None
+        self.pids: set[int] = set()
+        self.left_behind: list[int] = []
+        self.reaped_count = 0
+        self.term_sent = 0.0
+        #: Why the child had to be killed after its test ended ("" if it exited).
+        self.stuck = ""
+        self.settled_after = 0.0
+        self.phase_at_timeout = ""
+        self.stacks_size = 0
+        self.last_size = -1
+        #: The parent's environment when this job's child started, and the changes to
+        #: send with its go.
+        self.environ = dict(os.environ)
+        self.env_set: dict[str, str] = {}
+        self.env_unset: list[str] = []
+
+    # Starting --------------------------------------------------------------------
+
+    def env(self) -> dict[str, str]:
+        env = {CHILD_ENV: "1"}
+        if self.devices:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
+        elif self.hide_devices:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+    def start(self) -> None:
+        """Start the child (ahead of the turn, or at it) with its final environment."""
+        self.environ = dict(os.environ)
+        self.child = _start(self.item, self.candidates.pop(0), self.env())
+        self.pids.add(self.child.pid)
+        self.started = time.monotonic()
+        self.state = State.BOOTING if self.turned else State.AHEAD
+        self._arm()
+
+    def turn(self, parent_error: pytest.TestReport | None) -> None:
+        """pytest reached this test. Remember what changed in the parent's environment."""
+        self.turned = True
+        self.parent_error = parent_error
+        protected = set(self.env())
+        now = os.environ
+        self.env_set = {
+            k: v for k, v in now.items() if self.environ.get(k) != v and k not in protected
+        }
+        self.env_unset = [k for k in self.environ if k not in now and k not in protected]
+
+    def go(self) -> None:
+        """Devices and a slot are ours: run now if booted, else as soon as booted."""
+        if self.devices:
+            self.replay.properties.append(("spawnrun_devices", ",".join(self.devices)))
+        if self.state is State.WAITING:
+            self._send_go()
+        elif self.state is State.AHEAD:
+            self.state = State.BOOTING
+            self._arm()
+
+    def _send_go(self) -> None:
+        assert self.child is not None
+        self.child.go(self.env_set, self.env_unset)
+        self.went = time.monotonic()
+        self.state = State.RUNNING
+        self._arm()
+
+    def _arm(self) -> None:
+        """The deadline of the current state."""
+        now = time.monotonic()
+        if self.state is State.BOOTING:
+            self.deadline = now + max(BOOT_LIMIT, self.timeout or 0.0)
+        elif self.state is State.RUNNING:
+            self.deadline = now + self.timeout if self.timeout is not None else None
+        elif self.state is State.AHEAD or self.state is State.WAITING:
+            self.deadline = None
+        else:
+            self.since = now
+            self.deadline = now + POLL
+
+    # Events ------------------------------------------------------------------------
+
+    @property
+    def reported(self) -> bool:
+        """Every report of the test is in (the child's, or the ones made for it)."""
+        return self.state not in LISTENING
+
+    def on_message(self, msg: proto.Message | _runner.Died) -> None:
+        if self.state not in LISTENING:
+            return  # e.g. a report after a timeout's kill: the test is already judged
+        replay = self.replay
+        if isinstance(msg, proto.Booted) and msg.found:
+            self.boot_seconds = time.monotonic() - self.started
+            if self.state is State.BOOTING:
+                self._send_go()
+            elif self.state is State.AHEAD:
+                self.state = State.WAITING
+        elif isinstance(msg, proto.Booted):
+            self.problems.append(msg.problem)
+            if self.candidates:
+                self.retire_child()
+                self.start()
+            else:  # the child ends by itself
+                replay.add(_reports.make(self.item, "setup", "passed"))
+                replay.fail("call", _reports.NOT_FOUND + "\n\n" + "\n\n".join(self.problems))
+                replay.ensure_teardown()
+                self._ended()
+        elif isinstance(msg, proto.Report):
+            config = self.item.config
+            replay.add(config.hook.pytest_report_from_serializable(config=config, data=msg.data))
+        elif isinstance(msg, proto.WarningRecord):
+            replay.warnings.append(_replay.warning_message(msg))
+        elif isinstance(msg, proto.Interrupted):
+            self.interrupted = msg
+        elif isinstance(msg, proto.Done):
+            if self.interrupted is None:
+                replay.complete(msg.notes)
+            self._ended()
+        else:  # the pipe ended before "done": the child died
+            self._died()
+
+    def on_exit(self) -> None:
+        """The child's sentinel fired: the process is gone (its code may follow)."""
+        child = self.child
+        assert child is not None
+        for msg in child.messages():  # a dead child may still have words in the pipe
+            self.on_message(msg)
+        if self.state in LISTENING:
+            self._died()
+        if not child.gone:
+            _exit_code(child)
+            child.reaped()
+            if self.state is State.EXITING:
+                self._to(State.REAPING)
+
+    def on_deadline(self, now: float) -> None:
+        if self.deadline is None or now < self.deadline:
+            return
+        state = self.state
+        if state is State.BOOTING or state is State.RUNNING:
+            self._start_dump()
+        elif state is State.DUMPING:
+            self._poll_dump(now)
+        elif state is State.EXITING:
+            self._poll_exit(now)
+        elif state is State.REAPING:
+            self._poll_reap(now)
+        elif state is State.SETTLING:
+            self._poll_settle(now)
+
+    def abort(self, reason: str) -> None:
+        """End the child now (-x, an interrupt elsewhere); a test with its turn says so."""
+        if self.child is not None:
+            self.child.kill()
+        if self.state in LISTENING:
+            if self.turned and self.interrupted is None:
+                skipped = (str(self.item.path), (self.item.location[1] or 0) + 1, reason)
+                phase = self.replay.pending_phase()
+                self.replay.add(_reports.make(self.item, phase, "skipped", skipped))
+                self.replay.ensure_teardown()
+            self._to(State.EXITING)
+
+    # Transitions -------------------------------------------------------------------
+
+    def _to(self, state: State) -> None:
+        self.state = state
+        self._arm()
+
+    def _ended(self) -> None:
+        """The test is over and its reports complete; the process may still be exiting."""
+        if self.went:
+            self.replay.properties.append(
+                ("spawnrun_wall_s", round(time.monotonic() - self.went, 3))
+            )
+        child = self.child
+        assert child is not None
+        if child.gone or child.exitcode is not None:
+            child.reaped()
+            self._to(State.REAPING)
+        else:
+            self._to(State.EXITING)
+
+    def _died(self) -> None:
+        child = self.child
+        assert child is not None
+        phase = self.replay.pending_phase() if self.state is State.RUNNING else "setup"
+        code = _exit_code(child)
+        self.left_behind = child.others()
+        _runner.signal_pids(self.left_behind, signal.SIGKILL)
+        self.reaped_count += len(self.left_behind)
+        text = _reports.death_text(self.item.nodeid, phase, code)
+        self.replay.died(phase, text, _reports.evidence(child.spec, len(self.left_behind)))
+        self._ended()
+
+    def _start_dump(self) -> None:
+        """Timed out: ask faulthandler in the child for every thread's stack."""
+        assert self.child is not None
+        self.phase_at_timeout = (
+            self.replay.pending_phase()
+            if self.state is State.RUNNING
+            else "setup (while the child booted)"
+        )
+        self.stacks_size = _reports.size_of(self.child.spec.stacks_path)
+        self.child.dump_stacks()
+        self._to(State.DUMPING)
+
+    def _poll_dump(self, now: float) -> None:
+        assert self.child is not None
+        size = _reports.size_of(self.child.spec.stacks_path)
+        written = size > self.stacks_size and size == self.last_size
+        self.last_size = size
+        if not written and now - self.since < DUMP_LIMIT:
+            self.deadline = now + 2 * POLL
+            return
+        self.left_behind = self.child.others()
+        self.reaped_count += len(self.left_behind)
+        self.child.kill()
+        phase = self.phase_at_timeout
+        text = f"{_reports.TIMEOUT} (>{self.timeout:g} s) during {phase}\nnode id: "
+        text += self.item.nodeid
+        evidence = _reports.evidence(self.child.spec, len(self.left_behind))
+        self.replay.died(phase.split(" ")[0], text, evidence)
+        self._ended()
+
+    def _poll_exit(self, now: float) -> None:
+        """After "done": the child should be on its way out; help it if it is stuck."""
+        assert self.child is not None
+        waited = now - self.since
+        if waited >= 2 * EXIT_GRACE:
+            if not self.stuck:
+                self.stuck = _reports.STUCK_EXIT.format(s=2 * EXIT_GRACE)
+            self.child.kill()
+        elif waited >= EXIT_GRACE and not self.left_behind:
+            # multiprocessing joins non-daemonic children at exit: a child may be
+            # waiting for what its test left behind. End those first.
+            self.left_behind = self.child.others()
+            self.reaped_count += len(self.left_behind)
+            _runner.signal_pids(self.left_behind, signal.SIGTERM)
+        self.deadline = now + max(POLL, min(1.0, waited / 4))
+
+    def _poll_reap(self, now: float) -> None:
+        """The child is gone; end what its test left in its group or session."""
+        assert self.child is not None
+        others = _runner.group_members(self.child.pid)
+        if not others:
+            self._to(State.SETTLING)
+            self._poll_settle(now)
+            return
+        self.deadline = now + POLL
+        if now - self.since < REAP_PATIENCE:
+            return  # processes already on their way out may finish by themselves
+        new = [p for p in others if p not in self.left_behind]
+        if new:
+            self.left_behind += new
+            self.reaped_count += len(new)
+            _runner.signal_pids(new, signal.SIGTERM)
+            self.term_sent = now
+        elif now - self.term_sent >= REAP_GRACE:
+            _runner.signal_pids(others, signal.SIGKILL)
+
+    def _poll_settle(self, now: float) -> None:
+        held = None
+        if self.devices and self.settle:
+            held = _devices.still_held(self.devices, self.pids | set(self.left_behind))
+        if held and now - self.since < (self.settle or 0.0):
+            self.deadline = now + 2 * POLL
+            return
+        self.settled_after = now - self.since
+        self.state = State.FINISHED
+        self.deadline = None
+
+    def retire_child(self) -> None:
+        """Kill the current child (a fallback or a replan replaces it); reaped elsewhere."""
+        if self.child is not None:
+            self.child.kill()
+            self.retired.append(self.child)
+            self.child = None
+
+    def take_retired(self) -> list[_runner.ChildProcess]:
+        retired, self.retired = self.retired, []
+        return retired
+
+    def reset_candidates(self) -> None:
+        self.candidates = _candidate_args(self.item)
+
+
+def _exit_code(child: _runner.ChildProcess) -> int | None:
+    code = child.exitcode
+    if code is None and not child.gone:
+        code = child.wait_exitcode(2.0)
+    return code
+
+
+def _candidate_args(item: pytest.Item) -> list[list[str]]:
+    """The test's file alone first (cheap); what the parent collected on fallback."""
+    first = [str(item.path)]
+    fallback = list(item.config.args)
+    return [first] if fallback == first else [first, fallback]
+
+
+def _start(item: pytest.Item, args: list[str], env: Mapping[str, str]) -> _runner.ChildProcess:
+    config = item.config
+    workdir = _runner.child_dir(config, item.nodeid, next(_serial))
+    workdir.mkdir(parents=True, exist_ok=True)
+    options = config.stash[OPTIONS_KEY].copy()
+    options["basetemp"] = str(workdir / "tmp")
+    live = config.getoption("capture") == "no"
+    spec = proto.ChildSpec(
+        nodeid=item.nodeid,
+        args=args,
+        plugin_args=_runner.plugin_args(config),
+        option_dict=options,
+        invocation_dir=str(config.invocation_params.dir),
+        log_path=None if live else str(workdir / "output.log"),
+        stacks_path=str(workdir / "stacks.txt"),
+    )
+    holder = config.stash.get(ZYGOTE_KEY, None)
+    if holder is not None:
+        forked = holder.fork(config, spec, env)
+        if forked is not None:
+            return forked
+    return _runner.ChildProcess(spec, env=env)

@@ -1,0 +1,86 @@
+"""Questions a process asks about itself: is a device runtime up, which threads run.
+
+Runs in the parent, in children and in the zygote's template. Imports nothing from
+spawnrun and never imports torch or loads a driver: it only looks at what is already
+loaded (``sys.modules``, ``/proc/self/maps``, ``/proc/self/task``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+
+#: cuDeviceGetCount's answer before cuInit: the driver is loaded but not initialized.
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def device_runtime() -> str:
+    """Name a device runtime initialized in this process ("" if none).
+
+    torch's own state first (initialized, or poisoned by a fork), then the CUDA driver
+    itself: ``torch.cuda.is_available()`` and ``device_count()`` run ``cuInit`` without
+    making torch "initialized", and so does any library that talks to the driver.
+    """
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None:
+        with contextlib.suppress(Exception):
+            if cuda.is_initialized():
+                return "torch.cuda is initialized"
+        with contextlib.suppress(Exception):
+            if cuda._is_in_bad_fork():
+                return "torch.cuda is in a bad-fork state"
+    if cuda_driver_initialized():
+        return "the CUDA driver is initialized (cuInit was called)"
+    return ""
+
+
+def cuda_driver_initialized() -> bool:
+    """Whether cuInit ran in this process, asked of the driver without initializing it.
+
+    ``import torch`` (CUDA builds) maps libcuda.so without initializing it; forking then
+    is safe, forking after cuInit is not. cuDeviceGetCount answers
+    CUDA_ERROR_NOT_INITIALIZED until cuInit has run and has no side effect. The library
+    is only looked up if it is already mapped (RTLD_NOLOAD): this never loads it.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcuda.so" in line}
+    except OSError:
+        return False
+    for path in paths:
+        try:
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            count = ctypes.c_int(0)
+            if lib.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED:
+                return True
+        except (OSError, AttributeError):
+            return True  # mapped but cannot be asked: assume the worst
+    return False
+
+
+def other_threads() -> list[str]:
+    """Names of this process's threads other than the calling one (Linux /proc).
+
+    Counted from the kernel's view, so threads started by C libraries (OpenMP, MKL,
+    CUDA) count too, not only Python's ``threading`` ones; those get their Python name.
+    """
+    import threading
+
+    me = threading.get_native_id()
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    names = []
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            if int(tid) == me:
+                continue
+            if int(tid) in python_names:
+                names.append(python_names[int(tid)])
+                continue
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    names.append(f.read().strip() or tid)
+            except OSError:
+                continue  # it just ended
+    return names
