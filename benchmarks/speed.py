@@ -15,6 +15,7 @@ Modes (``--modes``; plain and pytest-forked always run, ``--modes all`` runs eve
     spawnrun default           ``--spawn-gpu`` and nothing else: spawn, default jobs and
                                lookahead (booting ahead on)
     spawnrun fast              ``--spawn-gpu --spawn-method forkserver --spawn-preload torch``
+    spawnrun fast-nopreload    ``--spawn-gpu --spawn-method forkserver`` (not default)
     spawnrun spawn             pinned: one child at a time, nothing booted ahead (not default)
     spawnrun spawn+lookahead   pinned: one child at a time, one booted ahead (not default)
     spawnrun forkserver        pinned: one child at a time, forkserver + torch (not default)
@@ -194,13 +195,14 @@ MODES: dict[str, list[str]] = {
         "--spawn-preload",
         "torch",
     ],
+    "spawnrun fast-nopreload": ["--spawn-gpu", "--spawn-method", "forkserver"],
     "spawnrun spawn": [*PINNED, "--spawn-lookahead", "0"],
     "spawnrun spawn+lookahead": [*PINNED, "--spawn-lookahead", "1"],
     "spawnrun forkserver": [*PINNED, "--spawn-method", "forkserver", "--spawn-preload", "torch"],
 }
 ALWAYS = ["plain", "pytest-forked"]
 DEFAULT_MODES = [*ALWAYS, "spawnrun default", "spawnrun fast"]
-FAST_MODES = ("spawnrun fast", "spawnrun forkserver")
+FAST_MODES = ("spawnrun fast", "spawnrun fast-nopreload", "spawnrun forkserver")
 
 
 @dataclass(frozen=True)
@@ -354,8 +356,9 @@ class ParentGpuMemory:
             parents = _pytest_parents(me)
             for line in out.splitlines():
                 pid, _, used = line.partition(",")
-                if pid.strip().isdigit() and int(pid) in parents:
-                    self.max_mib = max(self.max_mib, int(used.strip().split()[0]))
+                mib = used.strip().split()[0] if used.strip() else ""
+                if pid.strip().isdigit() and int(pid) in parents and mib.isdigit():
+                    self.max_mib = max(self.max_mib, int(mib))
             self.samples += 1
             time.sleep(0.2)
 
@@ -474,7 +477,8 @@ def main() -> None:
     print(
         f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs"
         f"{', ' + gpu_name if gpu_name else ''}, N={opts.n}, up to {opts.repeat} reps"
-        f"{f', deadline {opts.deadline:.0f}s' if opts.deadline else ''}"
+        f"{f', deadline {opts.deadline:.0f}s' if opts.deadline else ''}; "
+        f"load average {_load()}"
     )
     print(f"suites: {' '.join(names)}\nmodes: {', '.join(modes)}")
     results = Results(opts.n)
@@ -522,7 +526,10 @@ def main() -> None:
                     f"(~{took:.0f}s) would pass the {opts.deadline:.0f}s deadline"
                 )
                 break
-        print(f"\n{rounds} rep(s), {time.monotonic() - started:.0f}s in all")
+        print(
+            f"\n{rounds} rep(s), {time.monotonic() - started:.0f}s in all; "
+            f"load average now {_load()} (other work on the machine skews the figures)"
+        )
         for name in names:
             _print_suite(results, name, modes, floor, memory)
         _print_targets(results, rounds)
@@ -623,6 +630,10 @@ def _target_value(results: Results, t: Target, rnd: int | None) -> float | None:
         return over
     ref = results.overhead(t.ref_suite, t.ref_mode, rnd)
     return over / ref if ref > 0 else None
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def _cuda_floor(repeat: int) -> float:

@@ -11,9 +11,10 @@ Runs in the parent. Policy, in full:
   already running go on. Later tests wait behind it, so a large request is never starved
   by small ones (devices may idle meanwhile: group multi-GPU tests).
 * **A planned device that stays busy is given up.** When a booted-ahead test's devices
-  are still busy at its turn while others are free, it waits about as long as a fresh
-  boot takes (the median boot seen so far); past that its child is replaced by one
-  started on the free devices ("replanned", counted in the summary).
+  are still busy at its turn, it waits for them; but once other devices have been idle
+  about as long as a fresh boot takes (the median boot seen so far), its child is
+  replaced by one started on those ("replanned", counted in the summary), so a long
+  test on one device never idles the others for long.
 * **Exit is off the critical path.** A test's reports are replayed as soon as its child
   says "done"; its exit, the reaping of what it left behind and the wait for NVML to
   release its device memory are deadlines in the loop, and only the next test on the
@@ -86,6 +87,8 @@ class Scheduler:
         self.long_settles: list[tuple[str, float]] = []
         self.boot_times: list[float] = []
         self.replans = 0
+        #: Since when each device has been seen free (for the replan rule).
+        self.free_since: dict[str, float] = {}
 
     # Turns ---------------------------------------------------------------------------
 
@@ -108,8 +111,6 @@ class Scheduler:
         if job is None:
             job = Job(item, timeout, [], hide_devices, self.settle)
             self.jobs.append(job)
-        if not item.session.shouldstop:
-            self.prefetch(upcoming)
         job.timeout = timeout
         job.turn(parent_error)
         if job.reported:
@@ -117,22 +118,28 @@ class Scheduler:
             job.replayed = True
             self._replay(job)
             return
-        waiting_since = time.monotonic()
         while True:
             session = item.session
             if session.shouldfail or session.shouldstop:
                 self._drop(job)  # as pytest: nothing new starts once the session stops
                 return
-            if self._try_go(job, count, time.monotonic() - waiting_since):
+            went = self._try_go(job, count)
+            # Plan the next tests once this one holds its devices, and keep them
+            # booting while it waits.
+            self.prefetch(upcoming)
+            if went:
                 return
-            patience = self._expected_boot() - (time.monotonic() - waiting_since)
-            timeout = patience if job.devices and patience > 0 else None
+            timeout = None
+            if job.devices and self.free_since:
+                # Wake when a free device will have idled long enough for a replan.
+                oldest = min(self.free_since.values())
+                timeout = max(0.01, oldest + self._expected_boot() - time.monotonic())
             if not self._running():
                 # Nothing of ours runs: the devices are held by another xdist worker.
                 timeout = min(_LEDGER_POLL, timeout or _LEDGER_POLL)
             self.loop_once(timeout)
 
-    def _try_go(self, job: Job, count: int, waited: float) -> bool:
+    def _try_go(self, job: Job, count: int) -> bool:
         if sum(1 for j in self.jobs if j.turned and j.state in IN_SLOT) >= self.limit:
             return False
         if job.child is None:
@@ -144,12 +151,11 @@ class Scheduler:
         elif job.devices:
             if self.allocator.take_exact(job.devices):
                 job.held = job.devices
-            elif waited >= self._expected_boot() and len(self.allocator.free()) >= count:
-                devices = self.allocator.take(count)
-                assert devices is not None
-                self._replan(job, devices)
             else:
-                return False
+                idle = self._idle_devices(self._expected_boot())
+                if len(idle) < count or not self.allocator.take_exact(idle[:count]):
+                    return False
+                self._replan(job, idle[:count])
         job.go()
         return True
 
@@ -161,6 +167,17 @@ class Scheduler:
         job.devices = job.held = devices
         job.reset_candidates()
         job.start()
+
+    def _idle_devices(self, at_least: float) -> list[str]:
+        """Devices free for at least ``at_least`` seconds (as far as this process saw)."""
+        now = time.monotonic()
+        free = self.allocator.free()
+        for device in list(self.free_since):
+            if device not in free:
+                del self.free_since[device]
+        for device in free:
+            self.free_since.setdefault(device, now)
+        return [d for d in free if now - self.free_since[d] >= at_least]
 
     def _expected_boot(self) -> float:
         return statistics.median(self.boot_times) if self.boot_times else _DEFAULT_BOOT
@@ -188,7 +205,8 @@ class Scheduler:
                 load[device] = load.get(device, 0) + 1
         ours = {d for j in self.jobs for d in j.held}
         for device in set(self.allocator.ids) - set(self.allocator.free()) - ours:
-            load[device] = load.get(device, 0) + 1  # held by another xdist worker
+            # Held by another xdist worker, whose next test may well be planned on it too.
+            load[device] = load.get(device, 0) + 2
         return _devices.least_loaded(self.allocator.ids, load, count)
 
     # The loop ------------------------------------------------------------------------
