@@ -142,6 +142,7 @@ class _Relay:
         self.interrupted = False
         self.collect_errors: list[str] = []
         self.notes: list[str] = []
+        self.done = False
         self.config: Any = None
 
     def send(self, msg: proto.Message) -> None:
@@ -181,10 +182,16 @@ class _Relay:
             )
 
     def finish(self) -> None:
+        """Say "done" (once), or after it what went wrong since (``After``)."""
         try:
-            self.send(proto.Done(self.notes))
+            if not self.done:
+                self.done = True
+                self.send(proto.Done(self.notes))
+            elif self.notes:
+                self.send(proto.After(self.notes))
         except OSError:
             pass  # the parent is gone or no longer listening: nothing left to tell
+        self.notes = []
         sys.stdout.flush()
         sys.stderr.flush()
 
@@ -224,6 +231,10 @@ class _Relay:
             self.interrupted = True
             self.send(proto.Interrupted(False, exc.msg, exc.returncode))
             raise
+        # The test is over, session-scoped fixtures included (nextitem=None): say so
+        # now. Session finish and unconfigure (pytest's final garbage collections cost
+        # ~0.3 s with torch loaded) run after, off the parent's critical path.
+        self.finish()
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.nodeid != self.spec.nodeid:

@@ -131,6 +131,8 @@ class Job:
         self.term_sent = 0.0
         #: Why the child had to be killed after its test ended ("" if it exited).
         self.stuck = ""
+        #: Errors the child met after "done" (its session end).
+        self.after_notes: list[str] = []
         self.settled_after = 0.0
         self.phase_at_timeout = ""
         self.stacks_size = 0
@@ -209,6 +211,9 @@ class Job:
         return self.state not in LISTENING
 
     def on_message(self, msg: proto.Message | _runner.Died) -> None:
+        if isinstance(msg, proto.After):
+            self.after_notes += msg.notes  # told as a warning when the job finishes
+            return
         if self.state not in LISTENING:
             return  # e.g. a report after a timeout's kill: the test is already judged
         replay = self.replay

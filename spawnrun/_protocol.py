@@ -7,7 +7,8 @@ pickled over a ``multiprocessing`` pipe. Reports travel as the JSON-safe dicts o
 Life of a child: it boots (imports, configures pytest, collects its node id) and
 sends ``Booted``; it then waits for ``Go``, runs setup/call/teardown and streams
 ``Report`` / ``WarningRecord`` messages, then ``Interrupted`` if the test stopped the
-session, and always ``Done`` last. EOF before ``Done`` means the child died.
+session, and always ``Done`` once the test's teardown is over; ``After`` may follow with
+errors of the child's session end. EOF before ``Done`` means the child died.
 """
 
 from __future__ import annotations
@@ -89,7 +90,14 @@ class Done:
     notes: list[str] = field(default_factory=list)
 
 
-Message = Booted | Report | WarningRecord | Interrupted | Done
+@dataclass(frozen=True)
+class After:
+    """Errors the child met after its "done" (session finish, unconfigure)."""
+
+    notes: list[str] = field(default_factory=list)
+
+
+Message = Booted | Report | WarningRecord | Interrupted | Done | After
 
 
 # The zygote (``--spawn-method forkserver``) ---------------------------------------------

@@ -218,7 +218,7 @@ class Scheduler:
             child = job.child
             if child is None or child.gone:
                 continue
-            if child.conn is not None and job.state in LISTENING:
+            if child.conn is not None and (job.state in LISTENING or job.state is State.EXITING):
                 events[child.conn] = ("message", job)
             events[child.sentinel] = ("exit", job)
         for dead in self.graveyard:
@@ -276,6 +276,7 @@ class Scheduler:
         if job.settled_after > 1.0:
             self.long_settles.append((job.item.nodeid, job.settled_after))
         texts = [job.stuck] if job.stuck else []
+        texts += [f"{_reports.CHILD_NOTES} (after the test):\n{n}" for n in job.after_notes]
         if job.reaped_count:
             texts.append(_reports.REAPED.format(n=job.reaped_count))
         for text in texts if job.turned else []:
