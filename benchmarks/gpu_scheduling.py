@@ -33,6 +33,7 @@ then a "targets" block with each target, the measured value and met/missed.
 from __future__ import annotations
 
 import argparse
+import io
 import itertools
 import json
 import os
@@ -295,7 +296,7 @@ def expected_uuids(cvd: str | None, devices: dict[int, str]) -> list[str] | None
 
 def wrong_device(rec: dict[str, Any], devices: dict[int, str]) -> str:
     """Why this device test ran on the wrong device(s), or ''."""
-    want = 2 if rec["kind"] == "pair" else 1
+    want = 2 if rec.get("kind") == "pair" else 1
     expected = expected_uuids(rec.get("cvd"), devices)
     seen = [normalize(u) for u in rec.get("uuids", [])]
     if expected is None:
@@ -382,11 +383,12 @@ def span(r: Run) -> float:
     busy = [rec for rec in r.records if "start" in rec and "end" in rec]
     if not busy:
         return 0.0
-    return max(rec["end"] for rec in busy) - min(rec["start"] for rec in busy)
+    return float(max(rec["end"] for rec in busy) - min(rec["start"] for rec in busy))
 
 
 def main() -> None:
-    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[attr-defined]
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(line_buffering=True)
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
