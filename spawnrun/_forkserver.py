@@ -2,17 +2,18 @@
 
 Runs in the parent. Starts the template (with the spawn method: it is never forked
 from the parent) at session start with the library modules the parent already has
-(pytest, the loaded plugins' modules, ``spawn_preload``), and, once collection is done,
-asks it to import the third-party modules that collection imported (the automatic
+(pytest and ``spawn_preload``, then the loaded plugins' modules), and, once collection is
+done, asks it to import the third-party modules that collection imported (the automatic
 preload): never a module of the suite, never its conftests. Then asks it to fork one
 child per test, passing the child's end of a fresh pipe as a file handle and the
 child's final environment (its devices); learns the child's exit code from the
 template, which is its parent, and watches it through a pidfd.
 
-If a module of the automatic preload makes the template unsafe to fork (it initializes
-CUDA or starts a thread at import), the template is replaced once by one that imports
-only the modules before it, with a warning. Any other failure or refusal turns the
-zygote off: the run spawns from then on, with one warning.
+If a plugin's or automatically preloaded package makes the template unsafe to fork (it
+initializes CUDA or starts a thread at import), the template is rebuilt without that
+package (up to ``RETRIES`` times), with a warning naming it. Any other failure or refusal,
+an unsafe ``spawn_preload`` module included, turns the zygote off: the run spawns from
+then on, with one warning.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ FORK_LIMIT = 60.0
 
 OFF = "spawnrun: the forkserver is off and every test spawns from now on: {reason}"
 TRIMMED = (
-    "spawnrun: the forkserver's automatic preload stopped before {module}: importing it "
-    "made the template unsafe to fork ({reason}); children import it themselves"
+    "spawnrun: the forkserver leaves {module} out of its template: importing it made the "
+    "template unsafe to fork ({reason}); children import it themselves"
 )
+#: How many times a template is rebuilt without a package that made it unsafe.
+RETRIES = 3
 
 
 class Zygote:
@@ -181,13 +184,17 @@ class ForkedChild(_runner.ChildProcess):
 
 
 class ZygoteHolder:
-    """One zygote per run; replaced once if the automatic preload made it unsafe."""
+    """One zygote per run; rebuilt without packages that made it unsafe to fork."""
 
     def __init__(self, preload: list[str]) -> None:
         self.preload = preload
         self.zygote: Zygote | None = None
+        #: Modules the template must have (pytest, spawn_preload): unsafe means off.
         self.base: list[str] = []
-        self.auto: list[str] = []
+        #: Modules it may do without: plugins' modules, then the automatic preload.
+        self.optional: list[str] = []
+        #: Top-level packages left out because they made a template unsafe.
+        self.excluded: list[str] = []
         self.off = ""
         self.checked = False
 
@@ -198,9 +205,12 @@ class ZygoteHolder:
         self.workdir = _runner.parent_basetemp(config) / "spawnrun" / "zygote"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.invocation_dir = str(config.invocation_params.dir)
-        self.rootdir = Path(config.rootpath)
-        self.base = _dedupe(["pytest", *plugin_modules(config, self.rootdir), *self.preload])
+        self.rootdir = Path(config.rootpath).resolve()
+        self.base = _dedupe(["pytest", *self.preload])
+        self.optional = [m for m in plugin_modules(config, self.rootdir) if m not in self.base]
         self.zygote = self._make(self.base)
+        if self.optional:
+            self.zygote.preload(self.optional)
 
     def _make(self, modules: list[str]) -> Zygote:
         return Zygote(
@@ -215,9 +225,11 @@ class ZygoteHolder:
         """Collection is done: preload the libraries it imported."""
         if self.zygote is None or self.off:
             return
-        self.auto = [m for m in library_modules(self.rootdir) if m not in set(self.base)]
-        if self.auto:
-            self.zygote.preload(self.auto)
+        known = {*self.base, *self.optional}
+        auto = [m for m in library_modules(self.rootdir) if m not in known]
+        self.optional += auto
+        if auto:
+            self.zygote.preload(auto)
 
     def fork(
         self, config: Any, spec: proto.ChildSpec, env: Mapping[str, str]
@@ -241,19 +253,24 @@ class ZygoteHolder:
     def _check(self, config: Any) -> None:
         assert self.zygote is not None
         ready = self.zygote.ready()
-        if not ready.problem:
-            return
-        if ready.culprit in self.auto:
-            clean = self.auto[: self.auto.index(ready.culprit)]
-            text = TRIMMED.format(module=ready.culprit, reason=ready.problem)
+        base_tops = {_top(m) for m in self.base}
+        for _ in range(RETRIES):
+            if not ready.problem:
+                break
+            culprit = ready.culprit
+            if not culprit or culprit in base_tops:
+                break
+            self.excluded += [p for p in ready.suspects or [culprit] if p not in base_tops]
+            left_out = ", ".join(ready.suspects or [culprit])
+            text = TRIMMED.format(module=left_out, reason=ready.problem)
             _reports.record_warning(config, _reports.warning(text, "spawnrun-zygote"), "")
             self.zygote.close()
-            self.zygote = self._make(self.base + clean)
+            kept = [m for m in self.optional if _top(m) not in self.excluded]
+            self.zygote = self._make(self.base + kept)
             ready = self.zygote.ready()
-            if not ready.problem:
-                return
-        after = f" (after importing {ready.culprit})" if ready.culprit else ""
-        self._turn_off(config, f"the template cannot fork safely: {ready.problem}{after}")
+        if ready.problem:
+            after = f" (after importing {ready.culprit})" if ready.culprit else ""
+            self._turn_off(config, f"the template cannot fork safely: {ready.problem}{after}")
 
     def _turn_off(self, config: Any, reason: str) -> None:
         self.off = reason
@@ -265,6 +282,10 @@ class ZygoteHolder:
     def close(self) -> None:
         if self.zygote is not None:
             self.zygote.close()
+
+
+def _top(module: str) -> str:
+    return module.partition(".")[0]
 
 
 def _dedupe(names: list[str]) -> list[str]:
@@ -307,4 +328,4 @@ def _is_library(module: Any, rootdir: Path) -> bool:
         path = Path(filename).resolve()
     except (OSError, ValueError):
         return False
-    return not path.is_relative_to(rootdir.resolve()) and not path.name.startswith("conftest")
+    return not path.is_relative_to(rootdir) and not path.name.startswith("conftest")

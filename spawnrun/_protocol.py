@@ -126,11 +126,13 @@ class ZygoteReady:
     pid: int
     #: Non-empty when the template cannot fork safely any more; the run then spawns.
     problem: str = ""
-    #: The first module whose import made it unsafe (a device runtime or a thread came
-    #: up), when one did; "" otherwise.
+    #: The top-level package whose import made it unsafe (a device runtime or a thread
+    #: came up), when one did; "" otherwise.
     culprit: str = ""
     #: Modules that failed to import (name and error): children import them themselves.
     failed: list[str] = field(default_factory=list)
+    #: The culprit and every top-level package its import brought in.
+    suspects: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

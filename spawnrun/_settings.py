@@ -95,14 +95,16 @@ def parse_lookahead(value: object, source: str) -> int | None:
 
 
 def default_lookahead(cpus: int | None = None, available_bytes: int | None = None) -> int:
-    """One child booted ahead per two CPUs (at most 4), and at most one per 2 GiB free.
+    """One child booted ahead per two CPUs (at most 8), and at most one per 2 GiB free.
 
     Booting ahead only pays while a core is free to do it: on 2 cores one child
-    ahead halves spawn overhead and a second does not help (shared measurements).
-    A booted child that imported torch holds roughly 0.5-1 GiB of host memory.
+    ahead halves spawn overhead and a second does not help (shared measurements); on a
+    16-core GPU host a spawn child's boot (5-6 s with torch and the image's plugins)
+    needs several booting at once to keep up with short tests. A booted child that
+    imported torch holds roughly 0.5-1 GiB of host memory.
     """
     cpus = cpus or os.cpu_count() or 1
-    by_cpu = min(4, max(1, cpus // 2))
+    by_cpu = min(8, max(1, cpus // 2))
     if available_bytes is None:
         available_bytes = _available_memory()
     by_memory = max(0, available_bytes // (2 * 2**30)) if available_bytes else by_cpu

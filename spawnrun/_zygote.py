@@ -97,32 +97,41 @@ class _Template:
         self.children: dict[int, int] = {}
 
     def load(self, modules: list[str]) -> None:
+        """Import ``modules`` in order, checking safety after each top-level package.
+
+        The first package after whose import forking became unsafe is named as the
+        culprit (the parent may then build a template without it); nothing after it
+        is imported.
+        """
         failed = []
         culprit = ""
-        last_top = ""
+        groups: dict[str, list[str]] = {}
         for name in modules:
+            groups.setdefault(name.partition(".")[0], []).append(name)
+        suspects: list[str] = []
+        for top, names in groups.items():
             if self.refusal:
                 break
-            if name not in sys.modules:
+            before = {m.partition(".")[0] for m in sys.modules}
+            for name in names:
+                if name in sys.modules:
+                    continue
                 try:
                     importlib.import_module(name)
                 except BaseException as exc:  # noqa: BLE001 - the children import it again
                     failed.append(f"{name}: {exc!r}")
-            top = name.partition(".")[0]
-            if top != last_top:
-                # Checked per top-level package: cheap enough, and precise enough to
-                # name the package whose import made forking unsafe.
-                last_top = top
-                self.refusal = unsafe_state()
-                culprit = name if self.refusal else ""
-        if not self.refusal:
             self.refusal = unsafe_state()
+            if self.refusal:
+                # The package, and every package its import brought in, are suspects.
+                culprit = top
+                now = {m.partition(".")[0] for m in sys.modules}
+                suspects = sorted({top} | (now - before))
         # What the template imported lives as long as it does: keep the collector off it,
         # so children neither scan it (pytest's final collections took ~0.3 s with torch)
         # nor copy its pages by touching object headers (the pre-fork idiom gc.freeze is
         # made for).
         gc.freeze()
-        self.conn.send(proto.ZygoteReady(os.getpid(), self.refusal, culprit, failed))
+        self.conn.send(proto.ZygoteReady(os.getpid(), self.refusal, culprit, failed, suspects))
 
     def serve(self) -> None:
         while True:

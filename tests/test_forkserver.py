@@ -96,9 +96,11 @@ def test_unsafe_preload_turns_the_zygote_off(pytester, fakedevice, kind):
     assert not _forked(pytester, 3)
 
 
-def test_automatic_preload_stops_before_an_unsafe_library(pytester, monkeypatch):
-    # A library outside the rootdir that the collection imported is preloaded; one
-    # that starts a thread at import is left to the children, and forking goes on.
+@pytest.mark.parametrize("how", ["collection", "plugin"])
+def test_template_leaves_out_a_library_that_starts_a_thread(pytester, monkeypatch, how):
+    # Libraries outside the rootdir, imported by the collection or loaded as plugins, are
+    # preloaded; one that starts a thread at import is left to the children (so is a
+    # plugin module that does), and forking goes on.
     libs = pytester.path.parent / f"{pytester.path.name}-libs"
     libs.mkdir()
     (libs / "quietlib.py").write_text("VALUE = 1\n")
@@ -109,23 +111,24 @@ def test_automatic_preload_stops_before_an_unsafe_library(pytester, monkeypatch)
     monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
     pytester.makeconftest(RECORD_PARENT)
     pytester.makepyfile(
-        test_libs="""
+        test_libs=f"""
         import json, os, sys
         import pytest
-        import quietlib, threadlib
+        import quietlib{", threadlib" if how == "collection" else ""}
 
         @pytest.mark.gpu
         @pytest.mark.parametrize("x", [1, 2])
         def test_x(x):
-            with open(f"where{x}.json", "w") as f:
+            with open(f"where{{x}}.json", "w") as f:
                 json.dump([os.getpid(), os.getppid()], f)
         """
     )
+    plugin = ["-p", "threadlib"] if how == "plugin" else []
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--spawn-method", "forkserver", "-W", "default"
+        "-p", "no:cacheprovider", *plugin, "--spawn-method", "forkserver", "-W", "default"
     )
     result.assert_outcomes(passed=2, warnings=1)
-    result.stdout.fnmatch_lines(["*automatic preload stopped before threadlib*other thread*"])
+    result.stdout.fnmatch_lines(["*forkserver leaves threadlib out of its template*thread*"])
     result.stdout.no_fnmatch_line("*forkserver is off*")
     assert _forked(pytester, 2)
 

@@ -88,7 +88,7 @@ def test_help_texts_come_from_one_table(pytester):
 
 @pytest.mark.parametrize(
     "cpus, free_gib, expected",
-    [(2, 20, 1), (1, 20, 1), (16, 100, 4), (16, 4, 2), (8, 1, 0)],
+    [(2, 20, 1), (1, 20, 1), (16, 100, 8), (64, 100, 8), (8, 100, 4), (16, 4, 2), (8, 1, 0)],
 )
 def test_default_lookahead_follows_cpus_and_memory(cpus, free_gib, expected):
     assert _settings.default_lookahead(cpus, free_gib * 2**30) == expected
