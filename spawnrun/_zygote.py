@@ -25,6 +25,7 @@ import importlib
 import os
 import sys
 import traceback
+import warnings
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
@@ -59,12 +60,28 @@ def unsafe_state() -> str:
         return runtime
     threads = _probe.other_threads()
     if threads:
+        # Libraries that handle fork themselves stop their pools when the process
+        # forks (OpenBLAS, which numpy loads, starts one per core at import and parks
+        # it in a pthread_atfork handler): let them, with a fork that does nothing.
+        # What survives it would hang or deadlock a forked child.
+        _quiesce()
+        threads = _probe.other_threads()
+    if threads:
         return (
             f"{len(threads)} other thread(s) run in it ({', '.join(sorted(set(threads)))}); "
             "a forked child would inherit their locks but not them (OpenMP and MKL pools "
             "then hang)"
         )
     return _plugin_state()
+
+
+def _quiesce() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # 3.12+: "process is multi-threaded, use of fork()"
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+    os.waitpid(pid, 0)
 
 
 def _plugin_state() -> str:

@@ -133,6 +133,39 @@ def test_template_leaves_out_a_library_that_starts_a_thread(pytester, monkeypatc
     assert _forked(pytester, 2)
 
 
+def test_numpys_blas_pool_does_not_stop_forking(pytester):
+    # numpy's OpenBLAS starts a thread per core at import, and parks them when the
+    # process forks: a template that preloaded numpy still forks.
+    pytester.makeconftest(RECORD_PARENT)
+    pytester.makepyfile(
+        test_np="""
+        import json, os
+        import numpy as np
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_x(x):
+            assert (np.ones((64, 64)) @ np.ones((64, 64)))[0, 0] == 64
+            with open(f"where{x}.json", "w") as f:
+                json.dump([os.getpid(), os.getppid()], f)
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--spawn-method",
+        "forkserver",
+        "--spawn-preload",
+        "numpy",
+        "-W",
+        "default",
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.no_fnmatch_line("*forkserver is off*")
+    assert _forked(pytester, 2)
+
+
 def test_openmp_at_import_and_executors_in_forked_children(pytester):
     # A test module that runs OpenMP-parallel torch math at import (as e3nn's do) and a
     # test that uses a ProcessPoolExecutor: forked children neither hang on a thread
