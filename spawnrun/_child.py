@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import os
 import signal
 import sys
@@ -216,6 +217,11 @@ class _Relay:
             return  # the parent stopped the run before this test's turn
         if not isinstance(go, proto.Go):
             return
+        # Everything the boot created (imports, collection) lives until the process
+        # ends: keep the collector off it, so the session's end (pytest collects garbage
+        # several times at unconfigure: ~0.3 s with torch loaded) stays short; the next
+        # test on this device waits for this process to be gone.
+        gc.freeze()
         # The parent's environment as it is at this test's turn (its devices were set
         # before this process started and are not part of it).
         for name in go.env_unset:
