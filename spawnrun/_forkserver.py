@@ -206,8 +206,13 @@ class ZygoteHolder:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.invocation_dir = str(config.invocation_params.dir)
         self.rootdir = Path(config.rootpath).resolve()
+        self.config = config
         self.base = _dedupe(["pytest", *self.preload])
-        self.optional = [m for m in plugin_modules(config, self.rootdir) if m not in self.base]
+        self.optional = [
+            m
+            for m in plugin_modules(config, self.rootdir)
+            if m not in self.base and not _rewritten(config, m)
+        ]
         self.zygote = self._make(self.base)
         if self.optional:
             self.zygote.preload(self.optional)
@@ -226,7 +231,11 @@ class ZygoteHolder:
         if self.zygote is None or self.off:
             return
         known = {*self.base, *self.optional}
-        auto = [m for m in library_modules(self.rootdir) if m not in known]
+        auto = [
+            m
+            for m in library_modules(self.rootdir)
+            if m not in known and not _rewritten(self.config, m)
+        ]
         self.optional += auto
         if auto:
             self.zygote.preload(auto)
@@ -282,6 +291,20 @@ class ZygoteHolder:
     def close(self) -> None:
         if self.zygote is not None:
             self.zygote.close()
+
+
+def _rewritten(config: Any, module: str) -> bool:
+    """Whether pytest rewrites asserts in ``module`` (plugins' packages, ``-p`` modules).
+
+    Such a module must be imported by the child's own pytest, which rewrites it on
+    import: preloaded, it would keep plain asserts, and pytest warns "Module already
+    imported so cannot be rewritten" (an error under ``filterwarnings = error``).
+    pytest keeps those names on its import hook, privately; without them nothing is
+    left out.
+    """
+    hook = getattr(config.pluginmanager, "rewrite_hook", None)
+    names = getattr(hook, "_must_rewrite", ()) or ()
+    return any(module == n or module.startswith(n + ".") for n in names)
 
 
 def _top(module: str) -> str:

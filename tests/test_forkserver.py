@@ -133,6 +133,38 @@ def test_template_leaves_out_a_library_that_starts_a_thread(pytester, monkeypatc
     assert _forked(pytester, 2)
 
 
+def test_plugins_keep_their_assert_rewriting_under_filterwarnings_error(pytester, monkeypatch):
+    # A plugin module outside the rootdir is rewritten by pytest on import; the
+    # template must leave it to the child, or pytest's "already imported, cannot be
+    # rewritten" warning fails every child under filterwarnings = error.
+    libs = pytester.path.parent / f"{pytester.path.name}-plugins"
+    libs.mkdir()
+    (libs / "myplugin.py").write_text(
+        "import pytest\n@pytest.fixture\ndef answer():\n    return 42\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
+    pytester.makeconftest(RECORD_PARENT)
+    pytester.makepyfile(
+        test_p="""
+        import json, os
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_x(x, answer):
+            assert answer == 42
+            with open(f"where{x}.json", "w") as f:
+                json.dump([os.getpid(), os.getppid()], f)
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "myplugin", "--spawn-method", "forkserver"
+    )
+    result.assert_outcomes(passed=2)
+    assert _forked(pytester, 2)
+
+
 def test_numpys_blas_pool_does_not_stop_forking(pytester):
     # numpy's OpenBLAS starts a thread per core at import, and parks them when the
     # process forks: a template that preloaded numpy still forks.
