@@ -439,3 +439,12 @@ def test_a_stuck_exit_does_not_delay_another_childs_timeout(pytester):
     result.stdout.no_fnmatch_line(NO_INTERNAL)
     result.stdout.fnmatch_lines(["*Timeout (>2 s) during call*", f"*{_reports.STUCK_EXIT[:40]}*"])
     assert wall < 25, wall  # the stuck exit is ended in the background (~10 s), not waited on
+
+
+def test_timeout_counts_from_the_go_not_the_boot(pytester):
+    # A slow conftest (3 s at import, in the child) is boot, not test: timeout=2 holds.
+    pytester.makeconftest("import time, spawnrun\nif spawnrun.is_child():\n    time.sleep(3)\n")
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu(timeout=2)\ndef test_quick():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-lookahead", "0")
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
