@@ -68,9 +68,10 @@ def test_tests_share_the_declared_gpus(pytester, xdist):
         if a["start"] < b["end"] and b["start"] < a["end"]
     )
     assert overlapping >= 2  # they really ran two at a time
-    # Four tests of DURATION on two GPUs: about two durations, not four.
+    # Four tests of DURATION on two GPUs: about two durations (plus boots on a loaded
+    # 2-core machine), never the four that one at a time would take.
     span = max(r["end"] for r in ones) - min(r["start"] for r in ones)
-    assert span < 3.2 * DURATION, span
+    assert span < 3.75 * DURATION, span
 
 
 def test_gpu_tests_skip_cleanly_without_gpus(pytester, monkeypatch):
