@@ -209,6 +209,11 @@ class _Relay:
             self.send(proto.Booted(os.getpid(), False, self._not_found(session)))
             self.booted = True
             return
+        mine = proto.fingerprint(item)
+        if self.spec.fingerprint and mine != self.spec.fingerprint:
+            self.send(proto.Booted(os.getpid(), False, self._other_test(mine)))
+            self.booted = True
+            return
         self.send(proto.Booted(os.getpid(), True))
         self.booted = True
         try:
@@ -266,6 +271,16 @@ class _Relay:
                 nodeid=nodeid,
                 when=when,
             )
+        )
+
+    def _other_test(self, mine: str) -> str:
+        return (
+            f"node id {self.spec.nodeid!r} names another test in the child "
+            f"(collected args: {' '.join(self.spec.args)}): the parent's binds "
+            f"{self.spec.fingerprint}, the child's binds {mine}. Its parameters come from "
+            "unordered data (a set: its order follows the hash seed, so set PYTHONHASHSEED "
+            "or sort it) or from collection-time state (a counter in "
+            "pytest_generate_tests); spawnrun will not run a different test under this id"
         )
 
     def _not_found(self, session: Any) -> str:

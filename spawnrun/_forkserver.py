@@ -58,7 +58,7 @@ class Zygote:
         )
         #: The environment the template started with.
         self.environ = dict(os.environ)
-        with _runner.child_environ({}):
+        with _runner.child_environ({}), _runner.no_main_reimport():
             self.proc.start()
         child_conn.close()
         self.pid: int = self.proc.pid or 0

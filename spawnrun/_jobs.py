@@ -442,6 +442,7 @@ def _start(item: pytest.Item, args: list[str], env: Mapping[str, str]) -> _runne
         invocation_dir=str(config.invocation_params.dir),
         log_path=None if live else str(workdir / "output.log"),
         stacks_path=str(workdir / "stacks.txt"),
+        fingerprint=proto.fingerprint(item),
     )
     holder = config.stash.get(ZYGOTE_KEY, None)
     if holder is not None:

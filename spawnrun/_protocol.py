@@ -13,6 +13,7 @@ errors of the child's session end. EOF before ``Done`` means the child died.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
@@ -36,6 +37,9 @@ class ChildSpec:
     log_path: str | None
     #: Where faulthandler writes the stacks of a dying or timed-out child.
     stacks_path: str
+    #: What the parent's test with this node id binds (``fingerprint``): the child must
+    #: find the same test, not merely the same id.
+    fingerprint: str = ""
     protocol: int = PROTOCOL_VERSION
 
 
@@ -166,3 +170,39 @@ class Exited:
 
     pid: int
     code: int
+
+
+# Identity of a test across the process boundary ------------------------------------------
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def fingerprint(item: Any) -> str:
+    """What a collected test binds, comparable between two interpreters.
+
+    A node id names a test, but ids built from unordered data (a set, whose order
+    follows the hash seed) or from collection-time state (a counter in
+    ``pytest_generate_tests``) can bind other values in a child that collected
+    differently. The parameters' values, spelled in a way that does not depend on
+    memory addresses or set order, tell them apart.
+    """
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return ""
+    return "; ".join(f"{k}={_stable(v)}" for k, v in sorted(callspec.params.items()))
+
+
+def _stable(value: Any) -> str:
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(_stable(v) for v in value)) + "}"
+    if isinstance(value, dict):
+        items = sorted(f"{_stable(k)}: {_stable(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_stable(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - an unrepresentable value compares by type
+        text = f"<{type(value).__qualname__}>"
+    return _ADDRESS.sub("", text)

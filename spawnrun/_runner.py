@@ -12,6 +12,7 @@ import os
 import pickle
 import re
 import signal
+import sys
 from collections.abc import Iterator
 from collections.abc import Mapping
 from multiprocessing import get_context
@@ -111,6 +112,32 @@ def _environ(overrides: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+@contextlib.contextmanager
+def no_main_reimport() -> Iterator[None]:
+    """Keep the spawn launcher from running the parent's ``__main__`` in the child.
+
+    multiprocessing's spawn imports the parent's main module in the child (by path for a
+    script, by name under ``-m``) so that functions defined there unpickle. A child needs
+    nothing from it, and a script that calls ``pytest.main()`` without a ``__main__``
+    guard would start a whole nested session in every child; the console script's
+    re-import alone costs ~150 ms per child. Hidden from the launcher while it starts.
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
+    }
+    main.__dict__.pop("__file__", None)
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
 #: Children alive right now, so a SIGTERM to the parent can take them down too.
 LIVE: set[ChildProcess] = set()
 
@@ -166,7 +193,7 @@ class ChildProcess:
             name=f"spawnrun {spec.nodeid}",
             daemon=False,
         )
-        with child_environ(env):
+        with child_environ(env), no_main_reimport():
             proc.start()
         child_conn.close()
         self._proc: Any = proc

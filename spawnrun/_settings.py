@@ -19,6 +19,8 @@ import pytest
 from spawnrun import _devices
 
 MARKER = "gpu"
+#: Timeouts from this many seconds on (about 3 years) mean no limit.
+NO_LIMIT_FROM = 1e8
 
 
 def parse_bool(value: object, source: str) -> bool:
@@ -54,7 +56,9 @@ def parse_timeout(value: object, source: str) -> float | None:
         raise pytest.UsageError(f"{source}: expected seconds, got {value!r}")
     if math.isnan(seconds) or seconds < 0:
         raise pytest.UsageError(f"{source}: seconds must be >= 0, got {value!r}")
-    return None if seconds == 0 else seconds
+    # 0 means no limit; so does a limit no run reaches (inf, 1e9: a deadline that far
+    # would overflow the waits that use it).
+    return None if seconds == 0 or seconds >= NO_LIMIT_FROM else seconds
 
 
 def parse_jobs(value: object, source: str) -> int | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -86,6 +87,7 @@ def test_ini_spawn_gpu_spawns_everything(pytester):
 
 MIXED = """
 import os
+import sys
 import pytest
 import spawnrun
 
@@ -247,6 +249,7 @@ def test_deselected_in_child_lists_what_was_collected(pytester):
 
 GUARD_CONFTEST = """
 import os
+import sys
 import pytest
 
 @pytest.hookimpl(tryfirst=True)
@@ -510,3 +513,82 @@ def test_last_failed_sees_replayed_reports(pytester):
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*rerun previous 1 failure*", "*test_flaky PASSED*"])
     result.stdout.no_fnmatch_line("*test_fine*")
+
+
+def test_same_id_other_values_is_refused_loudly(pytester):
+    # Parameters drawn at collection time (here: random, as unseeded data or a set's
+    # hash order would be) bind other values in a child: same node id, different test.
+    # It must fail with the cause, never pass as the wrong test; a value whose repr
+    # holds a memory address, or a set, is still the same test.
+    pytester.makepyfile(
+        test_b="""
+        import random
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("n", [random.random()], ids=["drawn"])
+        def test_b(n):
+            pass
+        """,
+        test_c="""
+        import pytest
+
+        class Opaque:  # its repr holds a memory address, different in every process
+            pass
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("value", [Opaque(), {"b", "a", "c"}], ids=["obj", "set"])
+        def test_stable_values(value):
+            pass
+        """,
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["*node id 'test_b.py::test_b[[]drawn[]]' names another test*"])
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+
+
+def test_script_without_main_guard_is_not_rerun_in_children(pytester):
+    # multiprocessing's spawn would import the parent's script in every child: a
+    # pytest.main() without a __main__ guard would then start nested sessions.
+    pytester.makepyfile(
+        test_x="import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n",
+        run=(
+            "import pytest\n"
+            "print('SCRIPT RAN')\n"
+            "pytest.main(['-p', 'no:cacheprovider', 'test_x.py'])\n"
+        ),
+    )
+    result = pytester.run(sys.executable, "run.py", timeout=120)
+    assert result.stdout.str().count("SCRIPT RAN") == 1
+    result.stdout.fnmatch_lines(["*1 passed*"])
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+
+
+def test_warning_class_is_never_imported_in_the_parent(pytester):
+    # A warning raised in a child from a module the parent never imported (torch's, say)
+    # is shown under its own name without the parent importing that module.
+    pytester.makepyfile(
+        mywarnlib="class LibWarning(UserWarning):\n    pass\n",
+        conftest="""
+        import os, sys, spawnrun
+
+        def pytest_sessionfinish(session):
+            if not spawnrun.is_child():
+                with open("imported.txt", "w") as f:
+                    f.write(str("mywarnlib" in sys.modules))
+        """,
+        test_w="""
+        import warnings
+        import pytest
+
+        @pytest.mark.gpu
+        def test_warns():
+            import mywarnlib
+            warnings.warn(mywarnlib.LibWarning("from the library"))
+        """,
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*LibWarning: from the library*"])
+    assert (pytester.path / "imported.txt").read_text() == "False"

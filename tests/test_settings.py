@@ -92,3 +92,9 @@ def test_help_texts_come_from_one_table(pytester):
 )
 def test_default_lookahead_follows_cpus_and_memory(cpus, free_gib, expected):
     assert _settings.default_lookahead(cpus, free_gib * 2**30) == expected
+
+
+@pytest.mark.parametrize("value", ["inf", "1e9", float("inf"), 1e12])
+def test_huge_timeouts_mean_no_limit(value):
+    # A deadline that far would overflow the event loop's waits (OverflowError).
+    assert _settings.parse_timeout(value, "test") is None
