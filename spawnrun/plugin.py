@@ -158,9 +158,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         needed = _device_count(item, settings, overrides)
         if needed > available:
             # Skipped where it stands, in-process: no child for a test that cannot run.
-            item.add_marker(pytest.mark.skip(reason=f"needs {needed} GPUs, {available} available"))
+            gpus = "GPU" if needed == 1 else "GPUs"
+            item.add_marker(
+                pytest.mark.skip(reason=f"needs {needed} {gpus}, {available} available")
+            )
             spawns = False
+        elif spawns and _skipped_statically(item):
+            spawns = False  # pytest skips it here, as in the child, without a child
         item.stash[SPAWNS_KEY] = spawns
+
+
+def _skipped_statically(item: pytest.Item) -> bool:
+    """Whether pytest will skip the test from its marks alone, whatever process runs it.
+
+    ``skip``, or a ``skipif`` whose condition is already a boolean True. String
+    conditions are left to the child: evaluating them here could run code (a CUDA
+    query) in the parent.
+    """
+    if item.get_closest_marker("skip") is not None:
+        return True
+    marks = list(item.iter_markers("skipif"))
+    conditions = [c for m in marks for c in (*m.args, m.kwargs.get("condition", False))]
+    if any(isinstance(c, str) for c in conditions):
+        return False
+    return any(bool(c) for c in conditions)
 
 
 def _should_spawn(item: pytest.Item, settings: _settings.Settings) -> bool:

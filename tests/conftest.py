@@ -48,7 +48,7 @@ class Outcomes:
 def declared_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
     """Inner runs get two declared GPUs: gpu-marked tests run, two at a time.
 
-    Without an inventory a gpu-marked test is skipped ("needs 1 GPUs, 0 available"),
+    Without an inventory a gpu-marked test is skipped ("needs 1 GPU, 0 available"),
     as on any machine without GPUs; CUDA_VISIBLE_DEVICES set for the children is
     harmless on CPU.
     """

@@ -448,3 +448,40 @@ def test_timeout_counts_from_the_go_not_the_boot(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-lookahead", "0")
     result.assert_outcomes(passed=1)
     result.stdout.no_fnmatch_line(NO_INTERNAL)
+
+
+def test_children_die_with_a_killed_parent(pytester):
+    # SIGKILL of the pytest process (a CI runner's hard stop): no cleanup runs in it, yet
+    # its hung child must not live on, reparented to init, holding its GPU.
+    pytester.makepyfile(
+        """
+        import os, time
+        import pytest
+
+        @pytest.mark.gpu
+        def test_hangs():
+            with open("child.pid", "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(300)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    marker = pytester.path / "child.pid"
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)
+    child = int(marker.read_text())
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(child) and time.monotonic() < deadline:
+        if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
+            break
+        time.sleep(0.1)
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"

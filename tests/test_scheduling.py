@@ -92,7 +92,7 @@ def test_gpu_tests_skip_cleanly_without_gpus(pytester, monkeypatch):
     result.stdout.fnmatch_lines(
         [
             "spawnrun: no GPUs (--gpus none); tests that need one are skipped",
-            "*needs 1 GPUs, 0 available*",
+            "*needs 1 GPU, 0 available*",
         ]
     )
 
@@ -121,3 +121,28 @@ def test_tests_spawned_by_spawn_gpu_alone_keep_the_parents_devices(pytester, mon
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-gpu")
     result.assert_outcomes(passed=1)
+
+
+def test_statically_skipped_gpu_tests_cost_no_child(pytester):
+    pytester.makeconftest(
+        "import spawnrun\nif spawnrun.is_child():\n    open('a-child-started', 'w').close()\n"
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.skip(reason="not today")
+        def test_skip():
+            pass
+
+        @pytest.mark.gpu
+        @pytest.mark.skipif(True, reason="never here")
+        def test_skipif():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines(["*not today*", "*never here*"])
+    assert not (pytester.path / "a-child-started").exists()
