@@ -119,17 +119,37 @@ def discover(environ: Mapping[str, str]) -> Inventory:
 
 
 def parse_gpus(value: object, source: str) -> str:
-    """Validate a ``--gpus`` value: auto, none, a count, or a comma list of ids."""
+    """Validate a ``--gpus`` value: auto, none, a count, or a comma list of device ids.
+
+    An id is an index (``0``) or a UUID as ``CUDA_VISIBLE_DEVICES`` takes it
+    (``GPU-...``, ``MIG-...``); each may appear once.
+    """
     text = str(value).strip()
     if text.lower() in ("auto", "none") or text.isdigit():
         return text.lower()
     ids = [t.strip() for t in text.split(",")]
-    if not text or any(not t or any(c.isspace() for c in t) for t in ids):
+    bad = [t for t in ids if not _is_device_id(t)]
+    if not text or bad:
+        shown = ", ".join(repr(t) for t in bad) if text else "nothing"
         raise pytest.UsageError(
             f"{source}: expected auto, none, a count or a comma-separated list of "
-            f"device ids, got {value!r}"
+            f"device ids (indices such as 0,1 or GPU-/MIG- UUIDs), got {value!r} "
+            f"({shown} is no device id)"
+        )
+    repeated = sorted({t for t in ids if ids.count(t) > 1})
+    if repeated:
+        raise pytest.UsageError(
+            f"{source}: device {', '.join(repeated)} is listed more than once in {value!r}; "
+            "each device is handed to one test at a time"
         )
     return ",".join(ids)
+
+
+def _is_device_id(text: str) -> bool:
+    if text.isdigit():
+        return True
+    prefix, _, rest = text.partition("-")
+    return prefix in ("GPU", "MIG") and bool(rest) and not any(c.isspace() for c in rest)
 
 
 def inventory(setting: str, environ: Mapping[str, str]) -> Inventory:
@@ -142,6 +162,12 @@ def inventory(setting: str, environ: Mapping[str, str]) -> Inventory:
         n = int(setting)
         if len(found.ids) >= n:
             return Inventory(found.ids[:n], f"first {n} {found.source}")
+        if found.ids:
+            # Some devices are visible, fewer than asked: never hand out others.
+            raise pytest.UsageError(
+                f"--gpus {n}: only {len(found.ids)} GPU(s) visible "
+                f"({', '.join(found.ids)}, {found.source})"
+            )
         return Inventory(tuple(str(i) for i in range(n)), f"--gpus {n}, trusted as given")
     return Inventory(tuple(setting.split(",")), "declared with --gpus, trusted as given")
 
