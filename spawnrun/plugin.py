@@ -322,15 +322,31 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(f"{seconds:.1f}s after {nodeid}")
 
 
+#: True while a test's report is being logged: only its own line names its devices.
+_logging_report = False
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_logreport(report: pytest.TestReport) -> Generator[None, None, None]:
+    global _logging_report
+    _logging_report = True
+    try:
+        yield
+    finally:
+        _logging_report = False
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_report_teststatus(
     report: pytest.TestReport, config: pytest.Config
 ) -> Generator[None, Any, Any]:
     result = yield
-    # With -v, a spawned test's line names its devices: "PASSED [gpu 1]".
+    # With -v, a spawned test's own line names its devices: "PASSED [gpu 1]". Nowhere
+    # else: the short summary keeps "FAILED <nodeid>" as tools parse it.
     devices = dict(getattr(report, "user_properties", ()) or ()).get("spawnrun_devices")
     if (
-        devices
+        _logging_report
+        and devices
         and config.get_verbosity() > 0
         and result
         and isinstance(result, tuple)

@@ -146,3 +146,11 @@ def test_statically_skipped_gpu_tests_cost_no_child(pytester):
     result.assert_outcomes(skipped=2)
     result.stdout.fnmatch_lines(["*not today*", "*never here*"])
     assert not (pytester.path / "a-child-started").exists()
+
+
+def test_devices_on_the_test_line_only_never_in_the_short_summary(pytester):
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_f():\n    assert False\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "-rf")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*::test_f FAILED ?gpu [01]?*", "FAILED test_*::test_f*"])
+    result.stdout.no_fnmatch_line("FAILED ?gpu*")
