@@ -47,6 +47,9 @@ def main(spec: proto.ChildSpec, conn: Connection) -> NoReturn:
     os.chdir(spec.invocation_dir)
     try:
         config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.args])
+        if spec.workerinput is not None:
+            # The xdist worker this test runs for, as its plugins and fixtures see it.
+            config.workerinput = dict(spec.workerinput)  # type: ignore[attr-defined]
         config.pluginmanager.register(relay, "spawnrun-child")
         config.hook.pytest_cmdline_main(config=config)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent

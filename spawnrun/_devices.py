@@ -276,6 +276,11 @@ def allocator_for(ids: tuple[str, ...], environ: Mapping[str, str]) -> Allocator
     """One ledger per xdist run (workers share it); a plain allocator otherwise."""
     uid = environ.get("PYTEST_XDIST_TESTRUNUID")
     if uid and environ.get("PYTEST_XDIST_WORKER"):
-        safe = "".join(c for c in uid if c.isalnum())
-        return Ledger(ids, Path(tempfile.gettempdir()) / f"spawnrun-devices-{safe}")
+        return Ledger(ids, ledger_dir(uid))
     return Allocator(ids)
+
+
+def ledger_dir(testrunuid: str) -> Path:
+    """The ledger's directory for one xdist run (the controller removes it at the end)."""
+    safe = "".join(c for c in testrunuid if c.isalnum())
+    return Path(tempfile.gettempdir()) / f"spawnrun-devices-{safe}"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import enum
 import os
+import pickle
 import signal
 import time
 from collections.abc import Mapping
@@ -420,6 +421,20 @@ def _exit_code(child: _runner.ChildProcess) -> int | None:
     return code
 
 
+def _workerinput(config: pytest.Config) -> dict[str, Any] | None:
+    workerinput = getattr(config, "workerinput", None)
+    if not isinstance(workerinput, dict):
+        return None
+    plain = {}
+    for key, value in workerinput.items():
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - what does not pickle stays behind
+            continue
+        plain[key] = value
+    return plain
+
+
 def _candidate_args(item: pytest.Item) -> list[list[str]]:
     """The test's file alone first (cheap); what the parent collected on fallback."""
     first = [str(item.path)]
@@ -443,6 +458,7 @@ def _start(item: pytest.Item, args: list[str], env: Mapping[str, str]) -> _runne
         log_path=None if live else str(workdir / "output.log"),
         stacks_path=str(workdir / "stacks.txt"),
         fingerprint=proto.fingerprint(item),
+        workerinput=_workerinput(config),
     )
     holder = config.stash.get(ZYGOTE_KEY, None)
     if holder is not None:

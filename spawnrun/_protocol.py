@@ -40,6 +40,9 @@ class ChildSpec:
     #: What the parent's test with this node id binds (``fingerprint``): the child must
     #: find the same test, not merely the same id.
     fingerprint: str = ""
+    #: pytest-xdist's ``config.workerinput`` of the worker that runs the test, so the
+    #: child looks like that worker (``worker_id``, ``testrun_uid``, no cache writes).
+    workerinput: dict[str, Any] | None = None
     protocol: int = PROTOCOL_VERSION
 
 

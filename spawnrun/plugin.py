@@ -8,6 +8,7 @@ code lives in ``_runner``, ``_jobs`` and ``_scheduler``.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Generator
@@ -51,6 +52,22 @@ def _xdist_worker() -> bool:
     return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
+def _xdist_controller(config: pytest.Config) -> bool:
+    """The xdist controller runs no test itself: it needs no zygote."""
+    return not _xdist_worker() and config.getoption("dist", "no") not in (None, "no")
+
+
+#: Under xdist, in the controller: the run's id, to remove the workers' ledger at the end.
+TESTRUNUID_KEY = pytest.StashKey[str]()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    uid = getattr(node, "workerinput", {}).get("testrunuid")
+    if uid:
+        node.config.stash[TESTRUNUID_KEY] = str(uid)
+
+
 @pytest.hookimpl
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", _settings.marker_doc())
@@ -66,7 +83,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if lookahead is None:
         lookahead = _settings.default_lookahead()
     holder = None
-    if settings.method == "forkserver":
+    if settings.method == "forkserver" and not _xdist_controller(config):
         holder = config.stash[_jobs.ZYGOTE_KEY] = _forkserver.ZygoteHolder(list(settings.preload))
     config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
         _devices.allocator_for(inventory.ids, os.environ),
@@ -292,6 +309,9 @@ class _AfterEachTest:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    uid = session.config.stash.get(TESTRUNUID_KEY, None)
+    if uid is not None:  # the xdist controller: every worker is gone by now
+        shutil.rmtree(_devices.ledger_dir(uid), ignore_errors=True)
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:
         return

@@ -154,3 +154,36 @@ def test_devices_on_the_test_line_only_never_in_the_short_summary(pytester):
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*::test_f FAILED ?gpu [01]?*", "FAILED test_*::test_f*"])
     result.stdout.no_fnmatch_line("FAILED ?gpu*")
+
+
+def test_under_xdist_a_child_looks_like_its_worker(pytester):
+    pytester.makepyfile(
+        """
+        import json, os
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("i", range(2))
+        def test_identity(i, worker_id, testrun_uid):
+            with open(f"id{i}.json", "w") as f:
+                json.dump([worker_id, testrun_uid, os.environ["PYTEST_XDIST_WORKER"]], f)
+        """
+    )
+    basetemp = pytester.path / "bt"
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        "2",
+        "--spawn-method",
+        "forkserver",
+        f"--basetemp={basetemp}",
+    )
+    result.assert_outcomes(passed=2)
+    rows = [json.loads((pytester.path / f"id{i}.json").read_text()) for i in range(2)]
+    assert all(worker == env and worker.startswith("gw") for worker, _, env in rows)
+    assert rows[0][1] == rows[1][1]  # one run, one testrun_uid
+    assert not (basetemp / "spawnrun" / "zygote").exists()  # the controller runs no test
+    from spawnrun import _devices
+
+    assert not _devices.ledger_dir(rows[0][1]).exists()  # removed at the end
