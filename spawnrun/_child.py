@@ -37,6 +37,8 @@ ACTIVE = False
 DUMP_SIGNAL = signal.SIGUSR1
 
 _MAX_LISTED_IDS = 10
+#: How much of the child's own terminal output explains an early end.
+_EARLY_TAIL = 8000
 #: A captured-output section longer than this keeps only its tail, so a test that
 #: prints 100 MB neither floods the pipe nor bloats the parent.
 SECTION_LIMIT = 256 * 1024
@@ -51,7 +53,13 @@ def main(spec: proto.ChildSpec, conn: Connection) -> NoReturn:
             # The xdist worker this test runs for, as its plugins and fixtures see it.
             config.workerinput = dict(spec.workerinput)  # type: ignore[attr-defined]
         config.pluginmanager.register(relay, "spawnrun-child")
-        config.hook.pytest_cmdline_main(config=config)
+        code = config.hook.pytest_cmdline_main(config=config)
+        if not relay.booted:
+            # pytest ended before the test was even looked for: an error in a hook at
+            # configure or collection time (INTERNALERROR), told to the child's own
+            # terminal reporter. Its words are the cause: send them.
+            relay.send(proto.Booted(os.getpid(), False, relay.ended_early(code)))
+            relay.booted = True
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         if not relay.booted:
             relay.send(
@@ -171,6 +179,8 @@ class _Relay:
         self.notes: list[str] = []
         self.done = False
         self.config: Any = None
+        #: Where the child's terminal reporter writes (set at configure).
+        self.sink: IO[str] | None = None
 
     def send(self, msg: proto.Message) -> None:
         try:
@@ -195,7 +205,7 @@ class _Relay:
         old = pm.get_plugin("terminalreporter")
         if old is not None:
             pm.unregister(old)
-            sink = open(  # noqa: SIM115 - lives as long as the process
+            sink = self.sink = open(  # noqa: SIM115 - lives as long as the process
                 os.path.join(os.path.dirname(self.spec.stacks_path), "terminal.log"),
                 "w",
                 encoding="utf-8",
@@ -298,6 +308,18 @@ class _Relay:
                 when=when,
             )
         )
+
+    def ended_early(self, code: object) -> str:
+        text = f"pytest ended in the child before it reached the test (exit status {code})"
+        if self.sink is not None:
+            self.sink.flush()
+        path = os.path.join(os.path.dirname(self.spec.stacks_path), "terminal.log")
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                said = f.read()[-_EARLY_TAIL:].strip()
+        except OSError:
+            said = ""
+        return f"{text}; the child's pytest said:\n{said}" if said else text
 
     def _other_test(self, mine: str) -> str:
         return (

@@ -253,6 +253,8 @@ class Job:
         child = self.child
         assert child is not None
         for msg in child.messages():  # a dead child may still have words in the pipe
+            if self.child is not child:
+                return  # replaced (a fallback): its successor is watched from now on
             self.on_message(msg)
         if self.state in LISTENING:
             self._died()

@@ -238,7 +238,10 @@ class Scheduler:
         for key in ready:
             kind, target = events[key]
             if kind == "message" and target.child is not None and target.child.conn is key:
-                for msg in target.child.messages():
+                child = target.child
+                for msg in child.messages():
+                    if target.child is not child:
+                        break  # replaced (a fallback): the rest is the old child's
                     target.on_message(msg)
             elif kind == "exit" and target.child is not None and target.child.sentinel is key:
                 target.on_exit()

@@ -592,3 +592,23 @@ def test_warning_class_is_never_imported_in_the_parent(pytester):
     result.assert_outcomes(passed=1, warnings=1)
     result.stdout.fnmatch_lines(["*LibWarning: from the library*"])
     assert (pytester.path / "imported.txt").read_text() == "False"
+
+
+def test_error_in_a_childs_collection_hook_shows_its_traceback(pytester):
+    # An exception in a hook at collection time ends the child's pytest with an
+    # INTERNALERROR before the test is looked for: the report must carry it.
+    pytester.makeconftest(
+        """
+        import spawnrun
+
+        def pytest_collection_modifyitems(items):
+            if spawnrun.is_child():
+                raise RuntimeError("boom in the child's hook")
+        """
+    )
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*pytest ended in the child before it reached the test*", "*boom in the child's hook*"]
+    )
