@@ -120,6 +120,29 @@ def isolate(spec: proto.ChildSpec, conn: Connection) -> _Relay:
     return _Relay(spec, conn, stacks)
 
 
+NO_DEBUGGER = (
+    "spawnrun: a debugger cannot stop a test that runs in a spawned child (it has no "
+    "terminal to talk to). Run the test in-process: add --no-spawn, or select it alone "
+    "with --pdb or --trace, which imply in-process runs"
+)
+
+
+def _refuse_debuggers() -> None:
+    """``breakpoint()`` / ``pdb.set_trace()`` fail with a hint instead of a bare BdbQuit.
+
+    A choice made through PYTHONBREAKPOINT (a remote debugger, say) is left alone.
+    """
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(NO_DEBUGGER)
+
+    if not os.environ.get("PYTHONBREAKPOINT"):
+        import pdb
+
+        sys.breakpointhook = refuse
+        pdb.set_trace = refuse
+
+
 #: prctl's option: the signal this process gets when its parent ends (Linux).
 _PR_SET_PDEATHSIG = 1
 
@@ -195,6 +218,7 @@ class _Relay:
     @pytest.hookimpl(trylast=True)
     def pytest_configure(self, config: Any) -> None:
         self.config = config
+        _refuse_debuggers()
         # pytest's own faulthandler plugin points faulthandler at stderr during
         # configure; take it back so crash stacks land where the parent reads them.
         _arm_faulthandler(self.stacks)

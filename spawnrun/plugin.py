@@ -7,6 +7,7 @@ code lives in ``_runner``, ``_jobs`` and ``_scheduler``.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import shutil
 import signal
@@ -237,6 +238,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return None
     settings = config.stash[SETTINGS_KEY]
     overrides = _overrides(item)
+    # pytest's faulthandler_timeout would dump the parent's own wait: the child, which
+    # gets the same setting, dumps the test's stacks instead.
+    faulthandler.cancel_dump_traceback_later()
     _cudawatch.check(config)
     marked = item.get_closest_marker(_settings.MARKER) is not None
     scheduler.submit(

@@ -612,3 +612,23 @@ def test_error_in_a_childs_collection_hook_shows_its_traceback(pytester):
     result.stdout.fnmatch_lines(
         ["*pytest ended in the child before it reached the test*", "*boom in the child's hook*"]
     )
+
+
+@pytest.mark.parametrize("call", ["breakpoint()", "import pdb; pdb.set_trace()"])
+def test_debugger_in_a_spawned_test_says_what_to_do(pytester, call):
+    pytester.makepyfile(f"import pytest\n@pytest.mark.gpu\ndef test_x():\n    {call}\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*a debugger cannot stop a test that runs in a spawned*"])
+
+
+def test_faulthandler_timeout_dumps_the_child_not_the_parent(pytester):
+    pytester.makeini("[pytest]\nfaulthandler_timeout = 1\n")
+    pytester.makepyfile(
+        "import time, pytest\n@pytest.mark.gpu\ndef test_slow():\n    time.sleep(2.5)\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", "--spawn-jobs", "1")
+    result.assert_outcomes(passed=1)
+    dumps = result.stdout.str() + result.stderr.str()
+    assert "test_slow" in dumps  # the child's own dump, streamed live with -s
+    assert "_scheduler.py" not in dumps  # never the parent's wait loop
