@@ -236,6 +236,18 @@ class _Relay:
             )
             pm.register(pytest.TerminalReporter(config, sink), "terminalreporter")
 
+    @pytest.fixture(scope="session")
+    def record_testsuite_property(self) -> Any:
+        """pytest's fixture, sending the property to the parent, whose junitxml writes it."""
+
+        def record(name: str, value: object) -> None:
+            __tracebackhide__ = True
+            if not isinstance(name, str):
+                raise TypeError(f"name parameter needs to be a string, but {type(name)} given")
+            self.send(proto.SuiteProperty(name, str(value)))
+
+        return record
+
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
             self.collect_errors.append(

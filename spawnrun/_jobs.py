@@ -215,6 +215,9 @@ class Job:
         if isinstance(msg, proto.After):
             self.after_notes += msg.notes  # told as a warning when the job finishes
             return
+        if isinstance(msg, proto.SuiteProperty):
+            _replay.suite_property(self.item.config, msg.name, msg.value)
+            return
         if self.state not in LISTENING:
             return  # e.g. a report after a timeout's kill: the test is already judged
         replay = self.replay

@@ -98,13 +98,21 @@ class Done:
 
 
 @dataclass(frozen=True)
+class SuiteProperty:
+    """``record_testsuite_property(name, value)`` called in the child: for junitxml."""
+
+    name: str
+    value: str
+
+
+@dataclass(frozen=True)
 class After:
     """Errors the child met after its "done" (session finish, unconfigure)."""
 
     notes: list[str] = field(default_factory=list)
 
 
-Message = Booted | Report | WarningRecord | Interrupted | Done | After
+Message = Booted | Report | WarningRecord | Interrupted | Done | After | SuiteProperty
 
 
 # The zygote (``--spawn-method forkserver``) ---------------------------------------------

@@ -184,3 +184,16 @@ def parent_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> pytest.T
         return None
     report: pytest.TestReport = item.ihook.pytest_runtest_makereport(item=item, call=call)
     return report
+
+
+def suite_property(config: pytest.Config, name: str, value: str) -> None:
+    """Give junitxml a ``record_testsuite_property`` call made in a child.
+
+    junitxml keeps its writer under a stash key that pytest does not export; without it
+    (no ``--junitxml``) the property has nowhere to go, as in-process.
+    """
+    from _pytest.junitxml import xml_key
+
+    xml = config.stash.get(xml_key, None)
+    if xml is not None:
+        xml.add_global_property(name, value)

@@ -632,3 +632,22 @@ def test_faulthandler_timeout_dumps_the_child_not_the_parent(pytester):
     dumps = result.stdout.str() + result.stderr.str()
     assert "test_slow" in dumps  # the child's own dump, streamed live with -s
     assert "_scheduler.py" not in dumps  # never the parent's wait loop
+
+
+def test_testsuite_property_recorded_in_a_child_reaches_junitxml(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        def test_x(record_testsuite_property):
+            record_testsuite_property("gpu_model", "H200")
+        """
+    )
+    xml = pytester.path / "out.xml"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--junitxml={xml}")
+    result.assert_outcomes(passed=1)
+    import xml.etree.ElementTree as ET
+
+    props = {p.get("name"): p.get("value") for p in ET.parse(xml).getroot().iter("property")}
+    assert props.get("gpu_model") == "H200"
