@@ -16,6 +16,7 @@ import atexit
 import faulthandler
 import gc
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -49,6 +50,9 @@ def main(spec: proto.ChildSpec, conn: Connection) -> NoReturn:
     os.chdir(spec.invocation_dir)
     try:
         config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.args])
+        # The conftests are loaded now: values of their types decode to their classes.
+        for name, data in spec.late_options.items():
+            setattr(config.option, name, pickle.loads(data))
         if spec.workerinput is not None:
             # The xdist worker this test runs for, as its plugins and fixtures see it.
             config.workerinput = dict(spec.workerinput)  # type: ignore[attr-defined]

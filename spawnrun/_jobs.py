@@ -47,7 +47,7 @@ from spawnrun import _runner
 
 _serial = count(1)
 #: The parent's forwarded options, computed once per run.
-OPTIONS_KEY = pytest.StashKey[dict[str, Any]]()
+OPTIONS_KEY = pytest.StashKey[tuple[dict[str, Any], dict[str, bytes]]]()
 #: Set with --spawn-method forkserver.
 ZYGOTE_KEY = pytest.StashKey[_forkserver.ZygoteHolder]()
 
@@ -451,8 +451,8 @@ def _start(item: pytest.Item, args: list[str], env: Mapping[str, str]) -> _runne
     config = item.config
     workdir = _runner.child_dir(config, item.nodeid, next(_serial))
     workdir.mkdir(parents=True, exist_ok=True)
-    options = config.stash[OPTIONS_KEY].copy()
-    options["basetemp"] = str(workdir / "tmp")
+    plain, late = config.stash[OPTIONS_KEY]
+    options = dict(plain, basetemp=str(workdir / "tmp"))
     live = config.getoption("capture") == "no"
     spec = proto.ChildSpec(
         nodeid=item.nodeid,
@@ -464,6 +464,7 @@ def _start(item: pytest.Item, args: list[str], env: Mapping[str, str]) -> _runne
         stacks_path=str(workdir / "stacks.txt"),
         fingerprint=proto.fingerprint(item),
         workerinput=_workerinput(config),
+        late_options=late,
     )
     holder = config.stash.get(ZYGOTE_KEY, None)
     if holder is not None:

@@ -43,6 +43,8 @@ class ChildSpec:
     #: pytest-xdist's ``config.workerinput`` of the worker that runs the test, so the
     #: child looks like that worker (``worker_id``, ``testrun_uid``, no cache writes).
     workerinput: dict[str, Any] | None = None
+    #: Option values of types the suite defines, pickled: decoded after conftests load.
+    late_options: dict[str, bytes] = field(default_factory=dict)
     protocol: int = PROTOCOL_VERSION
 
 

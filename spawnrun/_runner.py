@@ -56,22 +56,55 @@ _CHILD_OVERRIDES: dict[str, Any] = {
 _NOT_FORWARDED = ("file_or_dir", "plugins")
 
 
-def forwarded_options(config: pytest.Config) -> dict[str, Any]:
-    """The parent's option values that pickle, with the child's overrides applied."""
+def forwarded_options(config: pytest.Config) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The parent's option values for the child, with the child's overrides applied.
+
+    Values of built-in and standard-library types travel as they are (the child decodes
+    them before pytest starts). Others (a type a conftest defines) travel pickled apart
+    and are decoded only once the child's pytest has loaded its conftests, so nothing of
+    the suite is imported before pytest imports it, and the classes are pytest's own.
+    Values that do not pickle at all stay behind.
+    """
     options: dict[str, Any] = {}
+    late: dict[str, bytes] = {}
     for name, value in vars(config.option).items():
         if name in _NOT_FORWARDED:
             continue
+        if _plain(value):
+            options[name] = value
+            continue
         try:
-            pickle.dumps(value)
+            late[name] = pickle.dumps(value)
         except Exception:  # noqa: BLE001 - a plugin's exotic value stays behind
             continue
-        options[name] = value
     options.update(_CHILD_OVERRIDES)
-    # Pin rootdir and ini file: collecting one file alone must give the same node ids.
+    # Pin rootdir, ini file and conftest cut-off: collecting one file alone must give
+    # the same node ids, settings and conftests. With no ini file, an empty one keeps
+    # the child from adopting one found next to the test (a nested sub/pytest.ini).
     options["rootdir"] = str(config.rootpath)
-    options["inifilename"] = str(config.inipath) if config.inipath else None
-    return options
+    options["inifilename"] = str(config.inipath) if config.inipath else str(_empty_ini(config))
+    confcutdir = config.getoption("confcutdir", None)
+    if confcutdir is None:
+        confcutdir = config.inipath.parent if config.inipath else config.rootpath
+    options["confcutdir"] = str(confcutdir)
+    return options, late
+
+
+def _plain(value: Any) -> bool:
+    """Whether unpickling ``value`` imports nothing but the standard library."""
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(_plain(k) and _plain(v) for k, v in value.items())
+    top = type(value).__module__.partition(".")[0]
+    return top == "builtins" or top in getattr(sys, "stdlib_module_names", ())
+
+
+def _empty_ini(config: pytest.Config) -> Path:
+    path = parent_basetemp(config) / "spawnrun" / "no-inifile" / "pytest.ini"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[pytest]\n")
+    return path
 
 
 def plugin_args(config: pytest.Config) -> list[str]:

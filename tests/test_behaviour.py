@@ -651,3 +651,58 @@ def test_testsuite_property_recorded_in_a_child_reaches_junitxml(pytester):
 
     props = {p.get("name"): p.get("value") for p in ET.parse(xml).getroot().iter("property")}
     assert props.get("gpu_model") == "H200"
+
+
+def test_child_keeps_the_parents_ini_and_conftests_with_a_nested_ini(pytester):
+    # No ini file at the rootdir, a nested sub/pytest.ini: the parent uses none, so the
+    # child must not adopt the nested one (and cut the root conftest off with it).
+    pytester.makeconftest("import pytest\n@pytest.fixture\ndef rootfix():\n    return 1\n")
+    sub = pytester.mkdir("sub")
+    (sub / "pytest.ini").write_text("[pytest]\naddopts = --this-option-does-not-exist\n")
+    (sub / "test_x.py").write_text(
+        "import pytest\n@pytest.mark.gpu\ndef test_x(rootfix):\n    assert rootfix == 1\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--rootdir", ".")
+    result.assert_outcomes(passed=1)
+
+
+ENUM_CONFTEST = """
+import enum, os, spawnrun
+
+if spawnrun.is_child():
+    with open("imports.txt", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+
+class Backend(enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+def pytest_addoption(parser):
+    parser.addoption("--backend", type=Backend, default=Backend.CPU)
+"""
+
+
+@pytest.mark.parametrize("mode", ["prepend", "importlib"])
+def test_option_of_a_conftest_type_reaches_the_child_intact(pytester, mode):
+    # The value's class is the conftest's own, and the conftest is imported once per
+    # child, by pytest: never decoded before pytest starts.
+    pytester.makeconftest(ENUM_CONFTEST)
+    pytester.makepyfile(
+        """
+        import sys
+        import pytest
+
+        @pytest.mark.gpu
+        def test_backend(request):
+            value = request.config.getoption("backend")
+            assert value.value == "cuda"
+            assert type(value).__module__ in sys.modules
+            assert type(value) is getattr(sys.modules[type(value).__module__], "Backend")
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--backend", "cuda", f"--import-mode={mode}"
+    )
+    result.assert_outcomes(passed=1)
+    pids = (pytester.path / "imports.txt").read_text().split()
+    assert len(pids) == len(set(pids))  # once per child
