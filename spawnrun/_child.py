@@ -238,7 +238,7 @@ class _Relay:
                 "w",
                 encoding="utf-8",
             )
-            pm.register(pytest.TerminalReporter(config, sink), "terminalreporter")
+            pm.register(_terminal_reporter()(config, sink), "terminalreporter")
 
     @pytest.fixture(scope="session")
     def record_testsuite_property(self) -> Any:
@@ -388,6 +388,14 @@ class _Relay:
             lines.append("the child collected no tests")
         lines += self.collect_errors
         return "\n".join(lines)
+
+
+def _terminal_reporter() -> Any:
+    """pytest's TerminalReporter class: public from pytest 8.4, internal before."""
+    reporter = getattr(pytest, "TerminalReporter", None)
+    if reporter is None:
+        from _pytest.terminal import TerminalReporter as reporter
+    return reporter
 
 
 def _bounded(content: str) -> str:

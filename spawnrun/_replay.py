@@ -33,7 +33,7 @@ class Replay:
         self.properties: list[tuple[str, object]] = []
 
     def add(self, report: pytest.TestReport) -> None:
-        self.seen[report.when] = report
+        self.seen[str(report.when)] = report  # typed Optional before pytest 8.4
         self.reports.append(report)
 
     def fail(self, when: str, text: str, sections: list[tuple[str, str]] | None = None) -> None:

@@ -335,7 +335,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 @pytest.hookimpl
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+def pytest_terminal_summary(terminalreporter: Any) -> None:
     scheduler = terminalreporter.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is not None and scheduler.boot_times:
         terminalreporter.write_sep("-", "spawnrun")
