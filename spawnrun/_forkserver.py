@@ -94,8 +94,11 @@ class Zygote:
         unset = [k for k in self.environ if k not in os.environ]
         try:
             parent_conn, child_conn = _runner.CTX.Pipe(duplex=True)
-            self.conn.send(proto.ForkRequest(spec, {**os.environ, **env}, unset))
+            live = spec.log_path is None
+            self.conn.send(proto.ForkRequest(spec, {**os.environ, **env}, unset, live))
             reduction.send_handle(self.conn, child_conn.fileno(), self.pid)
+            for stream in (1, 2):
+                reduction.send_handle(self.conn, stream, self.pid)
             child_conn.close()
             reply = self._next(FORK_LIMIT)
         except (OSError, EOFError) as exc:

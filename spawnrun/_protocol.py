@@ -163,6 +163,9 @@ class ForkRequest:
     spec: ChildSpec
     env: dict[str, str]
     unset: list[str] = field(default_factory=list)
+    #: Whether the child's output streams live (``-s``): the parent's stdout and stderr
+    #: follow as two more passed handles either way.
+    live: bool = False
 
 
 @dataclass(frozen=True)

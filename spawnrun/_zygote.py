@@ -165,7 +165,13 @@ class _Template:
             if isinstance(request, proto.Preload):
                 self.load(request.modules)
             elif isinstance(request, proto.ForkRequest):
-                self._fork(request, reduction.recv_handle(self.conn))
+                fd = reduction.recv_handle(self.conn)
+                # With -s the child writes where the parent does, not to our log.
+                streams = [reduction.recv_handle(self.conn) for _ in range(2)]
+                self._fork(request, fd, streams if request.live else [])
+                if not request.live:
+                    for stream in streams:
+                        os.close(stream)
 
     def _reap(self, pidfd: int) -> None:
         pid = self.children.pop(pidfd)
@@ -173,17 +179,21 @@ class _Template:
         _, status = os.waitpid(pid, 0)
         self.conn.send(proto.Exited(pid, os.waitstatus_to_exitcode(status)))
 
-    def _fork(self, request: proto.ForkRequest, fd: int) -> None:
+    def _fork(self, request: proto.ForkRequest, fd: int, streams: list[int]) -> None:
         if not self.refusal:
             self.refusal = unsafe_state()
         if self.refusal:
-            os.close(fd)
+            for handle in (fd, *streams):
+                os.close(handle)
             self.conn.send(proto.Refused(self.refusal))
             return
         pid = os.fork()
         if pid == 0:
+            for target, stream in zip((1, 2), streams, strict=False):
+                os.dup2(stream, target)
             _forked_child(request, fd, self.conn, list(self.children))
-        os.close(fd)
+        for handle in (fd, *streams):
+            os.close(handle)
         self.children[os.pidfd_open(pid)] = pid
         self.conn.send(proto.Forked(pid))
 

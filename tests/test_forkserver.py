@@ -242,3 +242,12 @@ def test_forked_children_are_separate_processes_with_own_tmp_path(pytester):
     pids, parents, tmps = zip(*rows, strict=True)
     assert len(set(pids)) == 3 and len(set(tmps)) == 3
     assert len(set(parents)) == 1  # all forked from the one template
+
+
+def test_s_streams_a_forked_childs_output_live(pytester):
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.gpu\ndef test_x():\n    print('LIVE-FROM-THE-CHILD')\n"
+    )
+    result = _run_fast(pytester, "-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*LIVE-FROM-THE-CHILD*"])
