@@ -194,6 +194,25 @@ def test_no_orphans_survive(pytester, args, end, outcome):
     result.stdout.fnmatch_lines([f"*{_reports.REAPED.format(n=2)}*"])
 
 
+def _start_pytest_until(
+    pytester: pytest.Pytester, marker: str
+) -> tuple[subprocess.Popen[str], str]:
+    """Start the inner pytest in the background; return it once its test wrote ``marker``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    path = pytester.path / marker
+    deadline = time.monotonic() + 60
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)
+    return proc, path.read_text()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupting_the_parent_ends_children(pytester, signum):
     pytester.makepyfile(
@@ -209,19 +228,8 @@ def test_interrupting_the_parent_ends_children(pytester, signum):
             time.sleep(300)
         """
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
-        cwd=pytester.path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    started = pytester.path / "started.json"
-    deadline = time.monotonic() + 60
-    while not started.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.2)
-    pids = json.loads(started.read_text())
+    proc, started = _start_pytest_until(pytester, "started.json")
+    pids = json.loads(started)
     sent = time.monotonic()
     proc.send_signal(signum)
     out, _ = proc.communicate(timeout=30)
@@ -465,20 +473,10 @@ def test_children_die_with_a_killed_parent(pytester):
             time.sleep(300)
         """
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider"],
-        cwd=pytester.path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    marker = pytester.path / "child.pid"
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.2)
-    child = int(marker.read_text())
+    proc, started = _start_pytest_until(pytester, "child.pid")
+    child = int(started)
     proc.kill()
-    proc.wait(timeout=10)
+    proc.communicate(timeout=10)
     deadline = time.monotonic() + 10
     while psutil.pid_exists(child) and time.monotonic() < deadline:
         if psutil.Process(child).status() == psutil.STATUS_ZOMBIE:
