@@ -51,14 +51,6 @@ def watch() -> None:
     cuda._lazy_init = lazy_init
 
 
-def origin_text() -> str:
-    """Where CUDA got initialized in this process, as " (by FILE:LINE in FUNC)", or ""."""
-    if not _origin:
-        return ""
-    filename, lineno, func = _origin[0]
-    return f" (by {filename}:{lineno} in {func})"
-
-
 def check(config: pytest.Config) -> None:
     """Warn once if CUDA is initialized in this process."""
     global _warned
