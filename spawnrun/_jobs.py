@@ -200,6 +200,11 @@ class Job:
             self.deadline = now + self.timeout if self.timeout is not None else None
         elif self.state is State.AHEAD or self.state is State.WAITING:
             self.deadline = None
+        elif self.state is State.EXITING:
+            # The exit itself is an event (the sentinel); the deadline is only for a
+            # child that does not leave.
+            self.since = now
+            self.deadline = now + EXIT_GRACE
         else:
             self.since = now
             self.deadline = now + POLL
@@ -371,7 +376,7 @@ class Job:
             self.left_behind = self.child.others()
             self.reaped_count += len(self.left_behind)
             _runner.signal_pids(self.left_behind, signal.SIGTERM)
-        self.deadline = now + max(POLL, min(1.0, waited / 4))
+        self.deadline = self.since + 2 * EXIT_GRACE if waited < 2 * EXIT_GRACE else now + 1.0
 
     def _poll_reap(self, now: float) -> None:
         """The child is gone; end what its test left in its group or session."""

@@ -134,13 +134,13 @@ class Scheduler:
                 # Wake when a free device will have idled long enough for a replan.
                 oldest = min(self.free_since.values())
                 timeout = max(0.01, oldest + self._expected_boot() - time.monotonic())
-            if not self._running():
+            if not self._in_slots():
                 # Nothing of ours runs: the devices are held by another xdist worker.
                 timeout = min(_LEDGER_POLL, timeout or _LEDGER_POLL)
             self.loop_once(timeout)
 
     def _try_go(self, job: Job, count: int) -> bool:
-        if sum(1 for j in self.jobs if j.turned and j.state in IN_SLOT) >= self.limit:
+        if self._in_slots() >= self.limit:
             return False
         if job.child is None:
             devices = self.allocator.take(count) if count else []
@@ -182,8 +182,9 @@ class Scheduler:
     def _expected_boot(self) -> float:
         return statistics.median(self.boot_times) if self.boot_times else _DEFAULT_BOOT
 
-    def _running(self) -> bool:
-        return any(j.turned and j.state in IN_SLOT for j in self.jobs)
+    def _in_slots(self) -> int:
+        """Children of tests whose turn came that are booting or running them."""
+        return sum(1 for j in self.jobs if j.turned and j.state in IN_SLOT)
 
     def prefetch(self, upcoming: Upcoming) -> None:
         """Boot children for the next spawned tests, each on the devices planned for it."""
