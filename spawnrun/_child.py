@@ -13,6 +13,7 @@ The child's devices (``CUDA_VISIBLE_DEVICES``) are in its environment from its s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import faulthandler
 import gc
 import os
@@ -206,6 +207,10 @@ class _Relay:
         self.notes: list[str] = []
         self.done = False
         self.config: Any = None
+        #: Reports of the current execution made but not yet logged, by phase.
+        self.made: dict[str, Any] = {}
+        #: Where the test's terminal output starts in ``sink`` (set at the go).
+        self.terminal_from = -1
         #: Where the child's terminal reporter writes (set at configure).
         self.sink: IO[str] | None = None
 
@@ -227,18 +232,23 @@ class _Relay:
         # configure; take it back so crash stacks land where the parent reads them.
         _arm_faulthandler(self.stacks)
         # The parent prints the replayed reports; the child's terminal reporter stays,
-        # since plugins (pytest-timeout, live logging) write through it, but into a
-        # file of the child's work directory instead of the user's terminal.
+        # since plugins (pytest-timeout, --setup-show) write through it, but without its
+        # own per-test lines, into the child's output file: there, what pytest and the
+        # test write to the terminal keeps its order, and the parent replays it in the
+        # test's place. With -s the output streams live, and the reporter writes to a
+        # file of its own.
         pm = config.pluginmanager
         old = pm.get_plugin("terminalreporter")
         if old is not None:
             pm.unregister(old)
-            sink = self.sink = open(  # noqa: SIM115 - lives as long as the process
-                os.path.join(os.path.dirname(self.spec.stacks_path), "terminal.log"),
-                "w",
-                encoding="utf-8",
+            path = self.spec.log_path or os.path.join(
+                os.path.dirname(self.spec.stacks_path), "terminal.log"
             )
-            pm.register(_terminal_reporter()(config, sink), "terminalreporter")
+            # Line-buffered: a plugin may end the process right after writing.
+            sink = self.sink = open(  # noqa: SIM115 - lives as long as the process
+                path, "a", buffering=1, encoding="utf-8", errors="replace"
+            )
+            pm.register(_quiet_reporter()(config, sink), "terminalreporter")
 
     @pytest.fixture(scope="session")
     def record_testsuite_property(self) -> Any:
@@ -263,7 +273,7 @@ class _Relay:
         try:
             if not self.done:
                 self.done = True
-                self.send(proto.Done(self.notes))
+                self.send(proto.Done(self.notes, self._terminal_since()))
             elif self.notes:
                 self.send(proto.After(self.notes))
         except OSError:
@@ -303,11 +313,14 @@ class _Relay:
         # several times at unconfigure: ~0.3 s with torch loaded) stays short; the next
         # test on this device waits for this process to be gone.
         gc.freeze()
+        self._mark_terminal()
         # The parent's environment as it is at this test's turn (its devices were set
         # before this process started and are not part of it).
         for name in go.env_unset:
             os.environ.pop(name, None)
         os.environ.update(go.env_set)
+        if self.spec.executions:
+            _continue_reruns(item, self.spec.executions)
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
         except KeyboardInterrupt:
@@ -323,12 +336,73 @@ class _Relay:
         # ~0.3 s with torch loaded) run after, off the parent's critical path.
         self.finish()
 
+    def _mark_terminal(self) -> None:
+        """Remember where the test's terminal output will start (see ``pytest_configure``)."""
+        # The process's own streams (pytest's capture has replaced sys.stdout by now).
+        for stream in (sys.__stdout__, sys.__stderr__):
+            with contextlib.suppress(Exception):
+                stream.flush()  # type: ignore[union-attr]
+                if self.spec.log_path is not None:
+                    # Output that bypasses capture must keep its place among pytest's.
+                    stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+        if self.sink is not None:
+            self.sink.flush()
+            self.terminal_from = os.path.getsize(self.sink.name)
+
+    def _terminal_since(self) -> str:
+        """What reached the terminal since the last call (from the go on)."""
+        if self.sink is None or self.terminal_from < 0:
+            return ""
+        for stream in (sys.__stdout__, sys.__stderr__, sys.stdout, sys.stderr, self.sink):
+            with contextlib.suppress(Exception):
+                stream.flush()  # type: ignore[union-attr]
+        try:
+            with open(self.sink.name, "rb") as f:
+                f.seek(self.terminal_from)
+                data = f.read()
+        except OSError:
+            return ""
+        self.terminal_from += len(data)
+        return _bounded(data.decode("utf-8", "replace"))
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: Any) -> None:
+        self._enter(item, "setup")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_call(self, item: Any) -> None:
+        self._enter(item, "call")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_teardown(self, item: Any) -> None:
+        self._enter(item, "teardown")
+
+    def _enter(self, item: Any, when: str) -> None:
+        if item.nodeid != self.spec.nodeid:
+            return
+        if when == "setup":
+            self.made.clear()
+        for report in self.made.values():  # made, not logged: sent in case we die
+            self.send(proto.Report(self._serializable(report), pending=True))
+        self.made.clear()
+        self.send(proto.Phase(when))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: Any) -> Any:
+        report = yield
+        if item.nodeid == self.spec.nodeid:
+            self.made[report.when] = report
+        return report
+
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.nodeid != self.spec.nodeid:
             return
+        self.made.pop(report.when, None)
+        self.send(proto.Report(self._serializable(report), terminal=self._terminal_since()))
+
+    def _serializable(self, report: Any) -> Any:
         report.sections = [(t, _bounded(c)) for t, c in report.sections]
-        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-        self.send(proto.Report(data))
+        return self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
 
     def pytest_warning_recorded(
         self, warning_message: Any, when: str, nodeid: str, location: Any
@@ -351,9 +425,10 @@ class _Relay:
 
     def ended_early(self, code: object) -> str:
         text = f"pytest ended in the child before it reached the test (exit status {code})"
-        if self.sink is not None:
-            self.sink.flush()
-        path = os.path.join(os.path.dirname(self.spec.stacks_path), "terminal.log")
+        if self.sink is None:
+            return text
+        self.sink.flush()
+        path = self.sink.name
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 said = f.read()[-_EARLY_TAIL:].strip()
@@ -388,6 +463,44 @@ class _Relay:
             lines.append("the child collected no tests")
         lines += self.collect_errors
         return "\n".join(lines)
+
+
+def _continue_reruns(item: Any, done: int) -> None:
+    """Make pytest-rerunfailures count this test's executions from ``done``.
+
+    The parent reran the test after its child crashed or timed out: the reruns left are
+    the ones its earlier children did not use. pytest-rerunfailures reads a test's count
+    from its failures database (``config.failures_db``, not a public API: hence this one
+    function, which does nothing where it is absent).
+    """
+    db: Any = getattr(item.config, "failures_db", None)
+    get = getattr(db, "get_test_failures", None)
+    if get is None:
+        return
+    nodeid = item.nodeid
+
+    def get_test_failures(crashitem: str) -> int:
+        count = int(get(crashitem))
+        return max(count, done) if crashitem == nodeid else count
+
+    db.get_test_failures = get_test_failures
+
+
+def _quiet_reporter() -> Any:
+    """pytest's terminal reporter without its per-test lines: the parent prints those."""
+    base = _terminal_reporter()
+
+    class QuietReporter(base):  # type: ignore[misc, valid-type]
+        def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
+            pass
+
+        def pytest_runtest_logreport(self, report: Any) -> None:
+            pass
+
+        def pytest_runtest_logfinish(self, nodeid: str) -> None:
+            pass
+
+    return QuietReporter
 
 
 def _terminal_reporter() -> Any:

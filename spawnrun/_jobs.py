@@ -143,6 +143,8 @@ class Job:
         self.environ = dict(os.environ)
         self.env_set: dict[str, str] = {}
         self.env_unset: list[str] = []
+        #: Executions of the test by earlier children (crash reruns).
+        self.executions = 0
 
     # Starting --------------------------------------------------------------------
 
@@ -157,7 +159,7 @@ class Job:
     def start(self) -> None:
         """Start the child (ahead of the turn, or at it) with its final environment."""
         self.environ = dict(os.environ)
-        self.child = _start(self.item, self.candidates.pop(0), self.env())
+        self.child = _start(self.item, self.candidates.pop(0), self.env(), self.executions)
         self.pids.add(self.child.pid)
         self.started = time.monotonic()
         self.state = State.BOOTING if self.turned else State.AHEAD
@@ -242,14 +244,21 @@ class Job:
                 replay.fail("call", _reports.NOT_FOUND + "\n\n" + "\n\n".join(self.problems))
                 replay.ensure_teardown()
                 self._ended()
+        elif isinstance(msg, proto.Phase):
+            replay.enter(msg.when)
         elif isinstance(msg, proto.Report):
             config = self.item.config
-            replay.add(config.hook.pytest_report_from_serializable(config=config, data=msg.data))
+            report = config.hook.pytest_report_from_serializable(config=config, data=msg.data)
+            if msg.pending:
+                replay.add_pending(report)
+            else:
+                replay.add(report, msg.terminal)
         elif isinstance(msg, proto.WarningRecord):
             replay.warnings.append(_replay.warning_message(msg))
         elif isinstance(msg, proto.Interrupted):
             self.interrupted = msg
         elif isinstance(msg, proto.Done):
+            replay.terminal = msg.terminal
             if self.interrupted is None:
                 replay.complete(msg.notes)
             self._ended()
@@ -330,7 +339,8 @@ class Job:
         self.reaped_count += len(self.left_behind)
         text = _reports.death_text(self.item.nodeid, phase, code)
         self.replay.died(phase, text, _reports.evidence(child.spec, len(self.left_behind)))
-        self._ended()
+        if not self._rerun():
+            self._ended()
 
     def _start_dump(self) -> None:
         """Timed out: ask faulthandler in the child for every thread's stack."""
@@ -360,7 +370,31 @@ class Job:
         text += self.item.nodeid
         evidence = _reports.evidence(self.child.spec, len(self.left_behind))
         self.replay.died(phase.split(" ")[0], text, evidence)
-        self._ended()
+        if not self._rerun():
+            self._ended()
+
+    def _rerun(self) -> bool:
+        """A crash or timeout under pytest-rerunfailures: run the test again, if it may.
+
+        As its own crash handling under xdist does, the death is a failure of the phase
+        it happened in, rerun while the test's reruns last; a fresh child continues the
+        count where this one stopped.
+        """
+        if not self.turned or self.interrupted is not None:
+            return False
+        reruns = _rerun_limit(self.item)
+        executions = self.executions + max(1, self.replay.executions)
+        if reruns is None or executions > reruns or not self.replay.rerun(executions - 1):
+            return False
+        self.replay.ensure_teardown()
+        self.replay.executions = 0
+        self.executions = executions
+        if self.child is not None:
+            self.retired.append(self.child)  # dead or killed: reaped with the others
+            self.child = None
+        self.reset_candidates()
+        self.start()
+        return True
 
     def _poll_exit(self, now: float) -> None:
         """After "done": the child should be on its way out; help it if it is stuck."""
@@ -424,6 +458,22 @@ class Job:
         self.candidates = _candidate_args(self.item)
 
 
+def _rerun_limit(item: pytest.Item) -> int | None:
+    """The reruns pytest-rerunfailures grants the test (None: not installed, or none)."""
+    plugin = item.config.pluginmanager.get_plugin("rerunfailures")
+    get = getattr(plugin, "get_reruns_count", None)
+    if get is None:
+        return None
+    excluded = getattr(plugin, "_is_rerun_path_excluded", None)
+    try:
+        if excluded is not None and excluded(item):
+            return None
+        count = get(item)
+        return None if count is None else int(count)
+    except Exception:  # noqa: BLE001 - a foreign plugin's trouble must not end the run
+        return None
+
+
 def _exit_code(child: _runner.ChildProcess) -> int | None:
     code = child.exitcode
     if code is None and not child.gone:
@@ -452,7 +502,9 @@ def _candidate_args(item: pytest.Item) -> list[list[str]]:
     return [first] if fallback == first else [first, fallback]
 
 
-def _start(item: pytest.Item, args: list[str], env: Mapping[str, str]) -> _runner.ChildProcess:
+def _start(
+    item: pytest.Item, args: list[str], env: Mapping[str, str], executions: int = 0
+) -> _runner.ChildProcess:
     config = item.config
     workdir = _runner.child_dir(config, item.nodeid, next(_serial))
     workdir.mkdir(parents=True, exist_ok=True)
@@ -470,6 +522,7 @@ def _start(item: pytest.Item, args: list[str], env: Mapping[str, str]) -> _runne
         fingerprint=proto.fingerprint(item),
         workerinput=_workerinput(config),
         late_options=late,
+        executions=executions,
     )
     holder = config.stash.get(ZYGOTE_KEY, None)
     if holder is not None:

@@ -45,6 +45,8 @@ class ChildSpec:
     workerinput: dict[str, Any] | None = None
     #: Option values of types the suite defines, pickled: decoded after conftests load.
     late_options: dict[str, bytes] = field(default_factory=dict)
+    #: Executions of the test before this child's (a crash rerun by pytest-rerunfailures).
+    executions: int = 0
     protocol: int = PROTOCOL_VERSION
 
 
@@ -70,8 +72,26 @@ class Go:
 
 
 @dataclass(frozen=True)
+class Phase:
+    """The child enters a phase of its test (setup, call, teardown).
+
+    Reports can arrive late (pytest-rerunfailures logs an attempt's reports after its
+    teardown): the phase a child died in is the one it entered last, not the one after
+    its last report.
+    """
+
+    when: str
+
+
+@dataclass(frozen=True)
 class Report:
     data: dict[str, Any]
+    #: Made but not yet logged when the next phase began (a plugin logs the reports of
+    #: an execution at its end): stands for its phase if the child dies first.
+    pending: bool = False
+    #: What reached the child's terminal since its previous report (or the go): the
+    #: parent prints it just before this report, as pytest would have.
+    terminal: str = ""
 
 
 @dataclass(frozen=True)
@@ -97,6 +117,9 @@ class Interrupted:
 @dataclass(frozen=True)
 class Done:
     notes: list[str] = field(default_factory=list)
+    #: What reached the child's terminal after its last report (see ``Report``): its
+    #: pytest's lines (``--setup-show``, live logs) and output that bypassed capture.
+    terminal: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,7 +137,7 @@ class After:
     notes: list[str] = field(default_factory=list)
 
 
-Message = Booted | Report | WarningRecord | Interrupted | Done | After | SuiteProperty
+Message = Booted | Phase | Report | WarningRecord | Interrupted | Done | After | SuiteProperty
 
 
 # The zygote (``--spawn-method forkserver``) ---------------------------------------------

@@ -26,13 +26,37 @@ class Replay:
 
     def __init__(self, item: pytest.Item) -> None:
         self.item = item
+        #: The current execution's reports by phase (pytest-rerunfailures runs a test
+        #: several times in one child: a new execution starts at its setup).
         self.seen: dict[str, pytest.TestReport] = {}
+        #: The phase the child entered last, and how many executions it started.
+        self.phase = ""
+        self.executions = 0
+        #: Reports made but not yet logged by the child (``Report.pending``), by phase.
+        self.pending: dict[str, pytest.TestReport] = {}
         self.reports: list[pytest.TestReport] = []
         self.warnings: list[warnings.WarningMessage] = []
+        #: What reached the child's terminal during the test, printed in its place:
+        #: before the report of the same index, and after the last one.
+        self.terminal_before: dict[int, str] = {}
+        self.terminal = ""
         #: (name, value) pairs added to every report: devices, wall time.
         self.properties: list[tuple[str, object]] = []
 
-    def add(self, report: pytest.TestReport) -> None:
+    def enter(self, when: str) -> None:
+        self.phase = when
+        if when == "setup":
+            self.executions += 1
+            self.seen = {}
+            self.pending = {}
+
+    def add_pending(self, report: pytest.TestReport) -> None:
+        self.pending[str(report.when)] = report
+
+    def add(self, report: pytest.TestReport, terminal: str = "") -> None:
+        if terminal:
+            self.terminal_before[len(self.reports)] = terminal
+        self.pending.pop(str(report.when), None)
         self.seen[str(report.when)] = report  # typed Optional before pytest 8.4
         self.reports.append(report)
 
@@ -46,6 +70,13 @@ class Replay:
         not) is xfailed, unless ``raises=`` names exception types, which a dead
         process is not one of: then it fails, saying why.
         """
+        # Reports still to be logged when it died stand for their phases; a setup it
+        # got past passed.
+        for phase in ("setup", "call"):
+            if phase in self.pending and phase not in self.seen:
+                self.add(self.pending[phase])
+        if when != "setup" and "setup" not in self.seen:
+            self.add(_reports.make(self.item, "setup", "passed"))
         xfailed = _xfail_of(self.item)
         if xfailed is None:
             self.fail(when, text, sections)
@@ -58,6 +89,9 @@ class Replay:
         self.ensure_teardown()
 
     def pending_phase(self) -> str:
+        """The phase a child that ends now leaves unfinished."""
+        if self.phase and self.phase not in self.seen:
+            return self.phase
         setup = self.seen.get("setup")
         if setup is None:
             return "setup"
@@ -82,6 +116,19 @@ class Replay:
             self.note(_reports.CHILD_NOTES, "\n".join(notes))
         self.ensure_teardown()
 
+    def rerun(self, execution: int) -> bool:
+        """Turn the current execution's failures into reruns; False if it has none."""
+        failed = [r for r in self.seen.values() if r.failed]
+        if not failed:
+            return False
+        for report in failed:
+            # pytest-rerunfailures' own outcome, which its report_teststatus renders.
+            report.outcome = "rerun"  # type: ignore[assignment]
+            report.rerun = execution  # type: ignore[attr-defined]
+        self.seen = {}
+        self.phase = ""
+        return True
+
     def ensure_teardown(self) -> None:
         if "teardown" not in self.seen:
             self.add(_reports.make(self.item, "teardown", "passed"))
@@ -103,10 +150,13 @@ class Replay:
         item = self.item
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         if interrupted:
-            for report in self.reports:
+            for i, report in enumerate(self.reports):
+                self._write(self.terminal_before.get(i, ""))
                 item.ihook.pytest_runtest_logreport(report=report)
+            self._write(self.terminal)
             return
-        for report in self.reports:
+        for i, report in enumerate(self.reports):
+            self._write(self.terminal_before.get(i, ""))
             if report.when == "teardown" and parent_error is not None:
                 if report.passed:
                     report = parent_error
@@ -116,9 +166,16 @@ class Replay:
                     )
             report.user_properties.extend(self.properties)
             item.ihook.pytest_runtest_logreport(report=report)
+        self._write(self.terminal)
         for wm in self.warnings:
             _reports.record_warning(item.config, wm, item.nodeid)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
+    def _write(self, text: str) -> None:
+        """Print what the child's terminal got, as pytest would have printed it."""
+        reporter = self.item.config.pluginmanager.get_plugin("terminalreporter")
+        if text and reporter is not None:
+            reporter.write(text)
 
 
 def _xfail_of(item: pytest.Item) -> Any:
@@ -182,7 +239,11 @@ def parent_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> pytest.T
     )
     if call.excinfo is None:
         return None
-    report: pytest.TestReport = item.ihook.pytest_runtest_makereport(item=item, call=call)
+    try:
+        report: pytest.TestReport = item.ihook.pytest_runtest_makereport(item=item, call=call)
+    except Exception:  # noqa: BLE001 - a plugin that expects the phases it saw in-process
+        # (pytest-rerunfailures keeps state from the setup report, made in the child).
+        report = pytest.TestReport.from_item_and_call(item, call)
     return report
 
 

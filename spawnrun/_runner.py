@@ -239,17 +239,20 @@ class ChildProcess:
         #: Readable once the process has exited.
         self.sentinel = sentinel
         self.gone = False
+        self._code: int | None = None
         LIVE.add(self)
 
     @property
     def exitcode(self) -> int | None:
         """The exit code once the process is gone (-N: signal N), else None."""
-        code: int | None = self._proc.exitcode if self._proc is not None else None
+        if self.gone or self._proc is None:
+            return self._code
+        code: int | None = self._proc.exitcode
         return code
 
     def wait_exitcode(self, timeout: float) -> int | None:
         """The exit code, waiting at most ``timeout`` for a process known to be ending."""
-        if self._proc is not None and self._proc.exitcode is None:
+        if not self.gone and self._proc is not None and self._proc.exitcode is None:
             self._proc.join(timeout)
         return self.exitcode
 
@@ -301,10 +304,14 @@ class ChildProcess:
 
     def reaped(self) -> None:
         """The process is gone and its exit code known: release what watched it."""
-        self.gone = True
+        if self.gone:
+            return
         self.close_pipe()
         if self._proc is not None:
             self._proc.join(0)
+            self._code = self._proc.exitcode
+        self.gone = True
+        if self._proc is not None:
             with contextlib.suppress(ValueError):
                 self._proc.close()
         LIVE.discard(self)

@@ -222,6 +222,7 @@ class Scheduler:
             if child.conn is not None and (job.state in LISTENING or job.state is State.EXITING):
                 events[child.conn] = ("message", job)
             events[child.sentinel] = ("exit", job)
+        self.graveyard = [dead for dead in self.graveyard if not dead.gone]
         for dead in self.graveyard:
             events[dead.sentinel] = ("grave", dead)
         zygote = self.zygote.zygote if self.zygote is not None else None

@@ -1,0 +1,167 @@
+"""Other plugins and pytest features that act through a spawned test's child.
+
+pytest-rerunfailures (a crash or timeout is a failure of its phase and is rerun), and
+what the child's pytest writes straight to the terminal during a test (``--setup-show``,
+live logging, ``capsys.disabled()``, ``--capture=tee-sys``), replayed in the test's place.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from spawnrun import _reports
+
+NO_INTERNAL = "*INTERNALERROR*"
+
+# Each test counts its executions in a file beside the suite, then acts by the count:
+# "c" crashes (SIGSEGV), "f" fails an assert, "p" passes, "h" hangs; "T" crashes in
+# teardown. The last letter repeats.
+RERUN_SUITE = """
+import os, signal, time, pytest
+
+def act(name, plan):
+    path = os.path.join(os.path.dirname(__file__), f"count-{name}")
+    n = int(open(path).read()) if os.path.exists(path) else 0
+    with open(path, "w") as f:
+        f.write(str(n + 1))
+    step = plan[min(n, len(plan) - 1)]
+    if step == "c":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if step == "h":
+        time.sleep(60)
+    assert step == "p", f"planned failure {n}"
+
+@pytest.fixture
+def crash_in_teardown():
+    yield
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_crash_then_pass():
+    act("crash_then_pass", "cp")
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_fail_crash_pass():
+    act("fail_crash_pass", "fcp")
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_hang_then_pass():
+    act("hang_then_pass", "hp")
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_always_crashes():
+    act("always_crashes", "c")
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_teardown_crashes(crash_in_teardown):
+    pass
+"""
+
+
+def test_crash_and_timeout_are_failures_of_their_phase_and_are_rerun(pytester):
+    pytest.importorskip("pytest_rerunfailures")
+    pytester.makepyfile(test_r=RERUN_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--reruns", "2", "-rA", "--spawn-jobs", "1"
+    )
+    outcomes = result.parseoutcomes()
+    # Three flaky tests pass on a later attempt; the always-crashing one fails after
+    # 2 reruns, in its call phase; the teardown crash errors after 2 reruns, its call
+    # passing each time (counted 3 times, as pytest-rerunfailures counts in-process).
+    assert outcomes.get("passed") == 3 + 3, outcomes
+    assert outcomes.get("failed") == 1, outcomes
+    assert outcomes.get("errors") == 1, outcomes
+    assert outcomes.get("rerun") == 1 + 2 + 1 + 2 + 2, outcomes
+    counts = {p.name: p.read_text() for p in pytester.path.glob("count-*")}
+    assert counts == {
+        "count-crash_then_pass": "2",
+        "count-fail_crash_pass": "3",
+        "count-hang_then_pass": "2",
+        "count-always_crashes": "3",
+    }
+    text = result.stdout.str()
+    assert f"{_reports.DIED} during call" in text
+    assert f"{_reports.DIED} during setup" not in text
+    assert f"{_reports.DIED} during teardown" in text
+    for line in (
+        "PASSED test_r.py::test_crash_then_pass",
+        "FAILED test_r.py::test_always_crashes*",
+        "ERROR test_r.py::test_teardown_crashes*",
+    ):
+        result.stdout.fnmatch_lines([line])
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+
+
+TERMINAL_SUITE = """
+import logging, sys, pytest
+
+@pytest.fixture
+def fix():
+    yield
+
+@pytest.mark.gpu(count=0)
+def test_talks(fix, capsys):
+    logging.getLogger("t").warning("live-log-line")
+    print("teed-line")
+    with capsys.disabled():
+        print("bypassed-capture-line")
+
+@pytest.mark.gpu(count=0)
+def test_quiet():
+    pass
+"""
+MARKS = ("SETUP", "TEARDOWN", "live log", "live-log-line", "teed-line", "bypassed-capture")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--setup-show", "-o", "log_cli=true", "-v"],
+        ["--capture=tee-sys"],
+        ["--setup-show", "-s"],
+    ],
+    ids=["setup-show-live-log", "tee-sys", "capture-no"],
+)
+def test_what_the_child_writes_to_the_terminal_is_replayed_in_its_place(pytester, args):
+    # The same lines, in the same order and in the same test's place, as in-process.
+    pytester.makepyfile(test_t=TERMINAL_SUITE)
+
+    # With -s the test's own output streams live, not in place: compare pytest's lines.
+    marks = ("SETUP", "TEARDOWN") if "-s" in args else MARKS + ("test_quiet",)
+
+    def lines(*extra: str) -> list[str]:
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, *extra)
+        result.assert_outcomes(passed=2)
+        text = result.stdout.str()
+        start = text.index("test_t.py")  # what precedes (the header) differs
+        body = text[start : text.index("passed in")].splitlines()
+        return [ln.strip() for ln in body if any(m in ln for m in marks)]
+
+    in_process = lines("--no-spawn")
+    assert any("TEARDOWN" in ln or "teed-line" in ln for ln in in_process)
+    # One child at a time: with several, tests reach the terminal in the order they end.
+    assert lines("--spawn-jobs", "1") == in_process
+
+
+def test_pytest_timeout_thread_dump_reaches_the_report(pytester):
+    pytest.importorskip("pytest_timeout")
+    pytester.makepyfile(
+        """
+        import time, pytest
+
+        def sleeping_in_the_test():
+            time.sleep(30)
+
+        @pytest.mark.gpu(count=0)
+        @pytest.mark.timeout(1, method="thread")
+        def test_hangs():
+            sleeping_in_the_test()
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        [f"{_reports.DIED} during call: exited with status 1*", "*+ Timeout +*"]
+    )
+    result.stdout.fnmatch_lines(["*in sleeping_in_the_test*"])
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
