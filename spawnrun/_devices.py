@@ -119,7 +119,7 @@ def discover(environ: Mapping[str, str]) -> Inventory:
 
 
 def parse_gpus(value: object, source: str) -> str:
-    """Validate a ``--gpus`` value: auto, none, a count, or a comma list of device ids.
+    """Validate a ``--spawn-gpus`` value: auto, none, a count, or a comma list of device ids.
 
     An id is an index (``0``) or a UUID as ``CUDA_VISIBLE_DEVICES`` takes it
     (``GPU-...``, ``MIG-...``); each may appear once.
@@ -156,7 +156,7 @@ def inventory(setting: str, environ: Mapping[str, str]) -> Inventory:
     if setting == "auto":
         return discover(environ)
     if setting == "none":
-        return Inventory((), "--gpus none")
+        return Inventory((), "--spawn-gpus none")
     if setting.isdigit():
         found = discover(environ)
         n = int(setting)
@@ -165,11 +165,11 @@ def inventory(setting: str, environ: Mapping[str, str]) -> Inventory:
         if found.ids:
             # Some devices are visible, fewer than asked: never hand out others.
             raise pytest.UsageError(
-                f"--gpus {n}: only {len(found.ids)} GPU(s) visible "
+                f"--spawn-gpus {n}: only {len(found.ids)} GPU(s) visible "
                 f"({', '.join(found.ids)}, {found.source})"
             )
-        return Inventory(tuple(str(i) for i in range(n)), f"--gpus {n}, trusted as given")
-    return Inventory(tuple(setting.split(",")), "declared with --gpus, trusted as given")
+        return Inventory(tuple(str(i) for i in range(n)), f"--spawn-gpus {n}, trusted as given")
+    return Inventory(tuple(setting.split(",")), "declared with --spawn-gpus, trusted as given")
 
 
 # Allocation --------------------------------------------------------------------------

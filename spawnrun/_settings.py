@@ -7,6 +7,7 @@ they cannot drift apart. Every validator names where a bad value came from.
 
 from __future__ import annotations
 
+import keyword
 import math
 import os
 from collections.abc import Callable
@@ -18,7 +19,12 @@ import pytest
 
 from spawnrun import _devices
 
-MARKER = "gpu"
+#: pytest-forked's marker: spawns as ``<marker>(count=0)`` while pytest-forked is absent.
+FORKED = "forked"
+#: Markers pytest itself gives a meaning; a spawn marker by one of these names would clash.
+PYTEST_MARKERS = frozenset(
+    ("skip", "skipif", "xfail", "parametrize", "usefixtures", "filterwarnings")
+)
 #: Timeouts from this many seconds on (about 3 years) mean no limit.
 NO_LIMIT_FROM = 1e8
 
@@ -126,6 +132,16 @@ def _available_memory() -> int | None:
     return None
 
 
+def parse_marker(value: object, source: str) -> str:
+    """A marker name as ``@pytest.mark.<name>`` can spell it, not one of pytest's own."""
+    text = str(value).strip()
+    if not text.isidentifier() or keyword.iskeyword(text) or text.startswith("_"):
+        raise pytest.UsageError(f"{source}: expected a marker name (an identifier), got {value!r}")
+    if text in PYTEST_MARKERS:
+        raise pytest.UsageError(f"{source}: {value!r} is one of pytest's own markers")
+    return text
+
+
 def parse_count(value: object, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise pytest.UsageError(f"{source}: expected a whole number >= 0, got {value!r}")
@@ -152,6 +168,18 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
+    Setting(
+        name="marker",
+        cli="--spawn-marker",
+        ini="spawn_marker",
+        env="SPAWNRUN_MARKER",
+        marker_kwarg=None,
+        default="gpu",
+        parse=parse_marker,
+        help="Marker that sends a test to a spawn child (change it when the project has "
+        "a gpu marker of its own)",
+        metavar="NAME",
+    ),
     Setting(
         name="spawn_gpu",
         cli="--spawn-gpu",
@@ -197,7 +225,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         name="gpus",
-        cli="--gpus",
+        cli="--spawn-gpus",
         ini="spawn_gpus",
         env="SPAWNRUN_GPUS",
         marker_kwarg=None,
@@ -270,10 +298,17 @@ SETTINGS: tuple[Setting, ...] = (
 MARKER_KWARGS = tuple(s.marker_kwarg for s in SETTINGS if s.marker_kwarg)
 
 
-def marker_doc() -> str:
+def marker_doc(marker: str) -> str:
     kwargs = ", ".join(f"{s.marker_kwarg}={s.default!r}" for s in SETTINGS if s.marker_kwarg)
     details = "; ".join(f"{s.marker_kwarg}: {s.help}" for s in SETTINGS if s.marker_kwarg)
-    return f"{MARKER}({kwargs}): run the test in a fresh spawn child process (spawnrun); {details}"
+    return f"{marker}({kwargs}): run the test in a fresh spawn child process (spawnrun); {details}"
+
+
+def forked_doc(marker: str) -> str:
+    return (
+        f"{FORKED}: run the test in a fresh spawn child process without a device, "
+        f"as {marker}(count=0) (spawnrun, standing in for pytest-forked)"
+    )
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -297,6 +332,7 @@ def add_options(parser: pytest.Parser) -> None:
 
 @dataclass(frozen=True)
 class Settings:
+    marker: str
     spawn_gpu: bool
     no_spawn: bool
     count: int
@@ -309,25 +345,47 @@ class Settings:
     settle: float | None
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""
+    #: Whether ``@pytest.mark.forked`` spawns (pytest-forked is not there to own it).
+    forked_alias: bool = False
+
+
+def _value(s: Setting, config: pytest.Config, environ: Mapping[str, str]) -> Any:
+    value = s.default
+    if s.ini is not None:
+        raw = config.getini(s.ini)
+        if raw not in (None, "", []):
+            value = s.parse(raw, f"ini option {s.ini!r}")
+    if s.env is not None and environ.get(s.env, "") != "":
+        value = s.parse(environ[s.env], f"environment variable {s.env}")
+    if s.cli is not None:
+        raw = config.getoption(s.dest)
+        if raw is not None:
+            value = s.parse(raw, f"command line option {s.cli}")
+    return value
+
+
+def marker_name(config: pytest.Config, environ: Mapping[str, str] | None = None) -> str:
+    """The spawn marker's name alone (a child needs it to register the marker)."""
+    by_name = {s.name: s for s in SETTINGS}
+    name: str = _value(by_name["marker"], config, os.environ if environ is None else environ)
+    return name
+
+
+def forked_alias(config: pytest.Config, marker: str) -> bool:
+    """Whether ``forked`` is free to stand for spawning: pytest-forked is not loaded.
+
+    pytest-forked registers itself as ``pytest_forked`` (its entry point); ``forked``
+    covers a ``-p forked`` spelling of a local copy.
+    """
+    if marker == FORKED:
+        return False
+    return not any(config.pluginmanager.hasplugin(n) for n in ("pytest_forked", FORKED))
 
 
 def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> Settings:
     """Resolve every setting once: default < ini < environment < command line."""
     environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for s in SETTINGS:
-        value = s.default
-        if s.ini is not None:
-            raw = config.getini(s.ini)
-            if raw not in (None, "", []):
-                value = s.parse(raw, f"ini option {s.ini!r}")
-        if s.env is not None and environ.get(s.env, "") != "":
-            value = s.parse(environ[s.env], f"environment variable {s.env}")
-        if s.cli is not None:
-            raw = config.getoption(s.dest)
-            if raw is not None:
-                value = s.parse(raw, f"command line option {s.cli}")
-        values[s.name] = value
+    values = {s.name: _value(s, config, environ) for s in SETTINGS}
     # Both on the command line is a contradiction; --no-spawn over an ini or
     # environment spawn_gpu is the debugging escape hatch and wins.
     if config.getoption("spawnrun_spawn_gpu") and config.getoption("spawnrun_no_spawn"):
@@ -340,25 +398,42 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
                 "a debugger can only stop a test that runs in this process"
             )
             break
-    return Settings(forced_inprocess=forced, **values)
+    alias = forked_alias(config, values["marker"])
+    return Settings(forced_inprocess=forced, forked_alias=alias, **values)
 
 
-def marker_overrides(item: pytest.Item) -> dict[str, Any]:
-    """Validated keyword arguments of the closest ``gpu`` marker (empty if none)."""
-    mark = item.get_closest_marker(MARKER)
+def marked(item: pytest.Item, settings: Settings) -> bool:
+    """Whether the test carries the spawn marker (or ``forked``, standing in for it)."""
+    if item.get_closest_marker(settings.marker) is not None:
+        return True
+    return settings.forked_alias and item.get_closest_marker(FORKED) is not None
+
+
+#: Appended to errors about the marker's shape: the name may be the project's own.
+OWN_MARKER_HINT = (
+    "if this marker is your project's own, set spawn_marker (ini) or SPAWNRUN_MARKER "
+    "to another name for spawnrun's"
+)
+
+
+def marker_overrides(item: pytest.Item, settings: Settings) -> dict[str, Any]:
+    """Validated keyword arguments of the closest spawn marker (empty if none)."""
+    mark = item.get_closest_marker(settings.marker)
     if mark is None:
+        if marked(item, settings):
+            return {"count": 0}  # forked: isolate, no device
         return {}
-    source = f"{item.nodeid}: @pytest.mark.{MARKER}"
+    source = f"{item.nodeid}: @pytest.mark.{settings.marker}"
     if mark.args:
         raise pytest.UsageError(
             f"{source}: takes keyword arguments only "
-            f"({', '.join(MARKER_KWARGS)}), got positional {mark.args!r}"
+            f"({', '.join(MARKER_KWARGS)}), got positional {mark.args!r}; {OWN_MARKER_HINT}"
         )
     unknown = sorted(set(mark.kwargs) - set(MARKER_KWARGS))
     if unknown:
         raise pytest.UsageError(
             f"{source}: unknown keyword argument(s) {', '.join(unknown)}; "
-            f"known: {', '.join(MARKER_KWARGS)}"
+            f"known: {', '.join(MARKER_KWARGS)}; {OWN_MARKER_HINT}"
         )
     by_kwarg = {s.marker_kwarg: s for s in SETTINGS if s.marker_kwarg}
     return {

@@ -71,10 +71,14 @@ def pytest_configure_node(node: Any) -> None:
 
 @pytest.hookimpl
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", _settings.marker_doc())
     if _child.ACTIVE:
+        # The parent validated every setting; the child only registers the same markers
+        # (for --strict-markers), from the same ini file and environment.
+        marker = _settings.marker_name(config)
+        _register_markers(config, marker, _settings.forked_alias(config, marker))
         return
     settings = _settings.resolve(config)
+    _register_markers(config, settings.marker, settings.forked_alias)
     inventory = _devices.inventory(settings.gpus, os.environ)
     # Under xdist each worker runs one child at a time; the workers are the parallelism.
     limit = 1 if _xdist_worker() else settings.jobs or max(1, len(inventory.ids))
@@ -96,6 +100,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
     _install_sigterm(config)
+
+
+def _register_markers(config: pytest.Config, marker: str, forked_alias: bool) -> None:
+    # Only the configured name: a project's own gpu marker stays untouched when
+    # spawn_marker names another.
+    config.addinivalue_line("markers", _settings.marker_doc(marker))
+    if forked_alias:
+        config.addinivalue_line("markers", _settings.forked_doc(marker))
 
 
 def _install_sigterm(config: pytest.Config) -> None:
@@ -127,7 +139,7 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return [settings.forced_inprocess]
     if settings.no_spawn:
         return ["spawnrun: --no-spawn given, every test runs in-process"]
-    what = "every test" if settings.spawn_gpu else f"tests marked {_settings.MARKER}"
+    what = "every test" if settings.spawn_gpu else f"tests marked {settings.marker}"
     scheduler = config.stash[SCHEDULER_KEY]
     return [
         f"spawnrun: {what} run in a fresh spawn child, up to {scheduler.limit} at once, "
@@ -170,7 +182,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     available = len(config.stash[INVENTORY_KEY].ids)
     for item in items:
-        overrides = _settings.marker_overrides(item)
+        overrides = _settings.marker_overrides(item, settings)
         item.stash[ITEM_KEY] = overrides
         spawns = _should_spawn(item, settings)
         needed = _device_count(item, settings, overrides)
@@ -205,14 +217,15 @@ def _skipped_statically(item: pytest.Item) -> bool:
 def _should_spawn(item: pytest.Item, settings: _settings.Settings) -> bool:
     if settings.no_spawn or settings.forced_inprocess:
         return False
-    return settings.spawn_gpu or item.get_closest_marker(_settings.MARKER) is not None
+    return settings.spawn_gpu or _settings.marked(item, settings)
 
 
 def _device_count(
     item: pytest.Item, settings: _settings.Settings, overrides: dict[str, Any]
 ) -> int:
-    # Only a gpu marker asks for devices; tests spawned by --spawn-gpu alone ask for none.
-    if item.get_closest_marker(_settings.MARKER) is None:
+    # Only the spawn marker asks for devices; tests spawned by --spawn-gpu alone ask for
+    # none (and forked, standing in for it, for none either: its overrides say count=0).
+    if not _settings.marked(item, settings):
         return 0
     count: int = overrides.get("count", settings.count)
     return count
@@ -242,7 +255,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     # gets the same setting, dumps the test's stacks instead.
     faulthandler.cancel_dump_traceback_later()
     _cudawatch.check(config)
-    marked = item.get_closest_marker(_settings.MARKER) is not None
+    marked = _settings.marked(item, settings)
     scheduler.submit(
         item,
         nextitem,
@@ -261,7 +274,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 def _overrides(item: pytest.Item) -> dict[str, Any]:
     overrides = item.stash.get(ITEM_KEY, None)
     if overrides is None:  # collected without our modifyitems (e.g. by another plugin)
-        overrides = _settings.marker_overrides(item)
+        overrides = _settings.marker_overrides(item, item.config.stash[SETTINGS_KEY])
     return overrides
 
 
@@ -288,7 +301,7 @@ def _upcoming(
         if _spawns(it):
             overrides = _overrides(it)
             timeout = overrides.get("timeout", settings.timeout)
-            marked = it.get_closest_marker(_settings.MARKER) is not None
+            marked = _settings.marked(it, settings)
             upcoming.append((it, timeout, _device_count(it, settings, overrides), marked))
     return upcoming
 

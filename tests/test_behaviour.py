@@ -483,7 +483,8 @@ def test_readme_demo_shows_isolation():
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    base = [sys.executable, "-m", "pytest", "examples", "-p", "no:cacheprovider", "--gpus", "2"]
+    base = [sys.executable, "-m", "pytest", "examples", "-p", "no:cacheprovider"]
+    base += ["--spawn-gpus", "2"]
     env = {k: v for k, v in os.environ.items() if k != "SPAWNRUN_GPUS"}
     isolated = subprocess.run([*base, "-v"], cwd=root, env=env, capture_output=True, text=True)
     assert isolated.returncode == 0, isolated.stdout

@@ -44,30 +44,30 @@ def test_explicit_settings(setting, environ, expected):
 
 @pytest.mark.parametrize("bad", ["0,,1", "a b", "", "-1", "abc", "1.5", "0,x", "GPU-"])
 def test_bad_gpus_value_is_a_usage_error(bad):
-    with pytest.raises(pytest.UsageError, match="--gpus: expected auto, none, a count"):
-        _devices.parse_gpus(bad, "--gpus")
+    with pytest.raises(pytest.UsageError, match="--spawn-gpus: expected auto, none, a count"):
+        _devices.parse_gpus(bad, "--spawn-gpus")
 
 
 @pytest.mark.parametrize("good", ["0,1", "3", "GPU-8f2c,GPU-1a2b", "MIG-4b7e"])
 def test_device_ids_and_uuids_are_accepted(good):
-    assert _devices.parse_gpus(good, "--gpus") == good
+    assert _devices.parse_gpus(good, "--spawn-gpus") == good
 
 
 def test_a_device_listed_twice_is_refused():
     with pytest.raises(pytest.UsageError, match="device 0 is listed more than once"):
-        _devices.parse_gpus("0,1,0", "--gpus")
+        _devices.parse_gpus("0,1,0", "--spawn-gpus")
 
 
 def test_a_count_picks_from_what_is_visible():
     # CUDA_VISIBLE_DEVICES=3 allows device 3 alone: two can never be handed out.
     assert _devices.inventory("1", {"CUDA_VISIBLE_DEVICES": "3"}).ids == ("3",)
-    with pytest.raises(pytest.UsageError, match="--gpus 2: only 1 GPU.s. visible .3,"):
+    with pytest.raises(pytest.UsageError, match="--spawn-gpus 2: only 1 GPU.s. visible .3,"):
         _devices.inventory("2", {"CUDA_VISIBLE_DEVICES": "3"})
 
 
 def test_header_says_how_devices_were_found():
     assert _devices.inventory("0,1", {}).describe() == (
-        "spawnrun: 2 GPU(s) [0, 1] (declared with --gpus, trusted as given)"
+        "spawnrun: 2 GPU(s) [0, 1] (declared with --spawn-gpus, trusted as given)"
     )
     assert "tests that need one are skipped" in _devices.inventory("none", {}).describe()
 

@@ -1,4 +1,4 @@
-"""End-to-end scheduling on declared GPUs (``--gpus 0,1``): parallel, exclusive, skips."""
+"""End-to-end scheduling on declared GPUs (``--spawn-gpus 0,1``): parallel, exclusive, skips."""
 
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _records(path):
 def test_tests_share_the_declared_gpus(pytester, xdist):
     pytester.makepyfile(test_sched=SUITE)
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--gpus", "0,1", "-v", "-rs", *xdist
+        "-p", "no:cacheprovider", "--spawn-gpus", "0,1", "-v", "-rs", *xdist
     )
     result.assert_outcomes(passed=6, skipped=1)
     result.stdout.fnmatch_lines(["*needs 3 GPUs, 2 available*"])
@@ -91,7 +91,7 @@ def test_gpu_tests_skip_cleanly_without_gpus(pytester, monkeypatch):
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines(
         [
-            "spawnrun: no GPUs (--gpus none); tests that need one are skipped",
+            "spawnrun: no GPUs (--spawn-gpus none); tests that need one are skipped",
             "*needs 1 GPU, 0 available*",
         ]
     )
@@ -100,7 +100,7 @@ def test_gpu_tests_skip_cleanly_without_gpus(pytester, monkeypatch):
 def test_spawn_jobs_bounds_parallelism(pytester):
     pytester.makepyfile(test_sched=SUITE)
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--gpus", "0,1", "--spawn-jobs", "1", "-k", "one_gpu"
+        "-p", "no:cacheprovider", "--spawn-gpus", "0,1", "--spawn-jobs", "1", "-k", "one_gpu"
     )
     result.assert_outcomes(passed=4)
     ones = sorted(_records(pytester.path).values(), key=lambda r: r["start"])

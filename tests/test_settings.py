@@ -2,15 +2,31 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from spawnrun import _settings
 
 
+class FakePluginManager:
+    def __init__(self, plugins: set[str]) -> None:
+        self.plugins = plugins
+
+    def hasplugin(self, name: str) -> bool:
+        return name in self.plugins
+
+
 class FakeConfig:
-    def __init__(self, ini: dict[str, str] | None = None, cli: dict[str, object] | None = None):
+    def __init__(
+        self,
+        ini: dict[str, str] | None = None,
+        cli: dict[str, object] | None = None,
+        plugins: set[str] | None = None,
+    ):
         self.ini = ini or {}
         self.cli = cli or {}
+        self.pluginmanager = FakePluginManager(plugins or set())
 
     def getini(self, name: str) -> object:
         return self.ini.get(name)
@@ -19,8 +35,8 @@ class FakeConfig:
         return self.cli.get(name.removeprefix("spawnrun_"), default)
 
 
-def resolve(ini=None, cli=None, env=None) -> _settings.Settings:
-    return _settings.resolve(FakeConfig(ini, cli), env or {})  # type: ignore[arg-type]
+def resolve(ini=None, cli=None, env=None, plugins=None) -> _settings.Settings:
+    return _settings.resolve(FakeConfig(ini, cli, plugins), env or {})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -65,6 +81,51 @@ def test_bad_values_name_their_source(ini, env, cli, message):
     assert excinfo.match(message.replace("*", ".*").replace("(", r"\(").replace("'", "'"))
 
 
+@pytest.mark.parametrize(
+    "ini, env, cli, expected",
+    [
+        ({}, {}, {}, "gpu"),
+        ({"spawn_marker": "isolated"}, {}, {}, "isolated"),
+        ({"spawn_marker": "isolated"}, {"SPAWNRUN_MARKER": "spawned"}, {}, "spawned"),
+        ({"spawn_marker": "isolated"}, {"SPAWNRUN_MARKER": "spawned"}, {"marker": "x"}, "x"),
+    ],
+)
+def test_marker_name_precedence(ini, env, cli, expected):
+    assert resolve(ini, cli, env).marker == expected
+    config = FakeConfig(ini, cli)
+    assert _settings.marker_name(config, env) == expected  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("not-a-name", "expected a marker name"),
+        ("class", "expected a marker name"),
+        ("_private", "expected a marker name"),
+        ("", "expected a marker name"),
+        ("skip", "one of pytest's own markers"),
+        ("parametrize", "one of pytest's own markers"),
+    ],
+)
+def test_bad_marker_names(value, message):
+    with pytest.raises(pytest.UsageError, match=f"^ini option 'spawn_marker': .*{message}"):
+        _settings.parse_marker(value, "ini option 'spawn_marker'")
+
+
+@pytest.mark.parametrize(
+    "plugins, marker, expected",
+    [
+        (set(), "gpu", True),
+        ({"pytest_forked"}, "gpu", False),
+        ({"forked"}, "gpu", False),
+        (set(), "forked", False),  # forked is the spawn marker itself
+    ],
+)
+def test_forked_stands_in_only_without_pytest_forked(plugins, marker, expected):
+    env = {"SPAWNRUN_MARKER": marker}
+    assert resolve(env=env, plugins=plugins).forked_alias is expected
+
+
 def test_pdb_forces_in_process():
     assert "--pdb given" in resolve(cli={"usepdb": True}).forced_inprocess
     assert resolve().forced_inprocess == ""
@@ -83,7 +144,15 @@ def test_help_texts_come_from_one_table(pytester):
             assert f"{s.ini} " in text
         if s.marker_kwarg:
             assert f"{s.marker_kwarg}: {help_text}" in markers
-    assert _settings.marker_doc().split(":")[0] in markers
+    assert _settings.marker_doc("gpu").split(":")[0] in markers
+    assert _settings.forked_doc("gpu").split(":")[0] in markers
+    # The row for the marker's name reaches the README's configuration table too.
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| ")]
+    for s in _settings.SETTINGS:
+        names = [f"`{n}`" for n in (s.cli, s.ini, s.env) if n]
+        names += [f"`{s.marker_kwarg}=`"] if s.marker_kwarg else []
+        assert any(all(n in row for n in names) for row in rows), s.name
 
 
 @pytest.mark.parametrize(
