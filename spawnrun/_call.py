@@ -83,6 +83,11 @@ class CallTimeout(CallFailed):
     """The function did not return within the timeout; the child was killed."""
 
 
+# Shown (and pickled) by their public names.
+for _cls in (ChildTraceback, CallError, CallFailed, CallCrashed, CallTimeout):
+    _cls.__module__ = "spawnrun"
+
+
 @overload
 def call(fn: Callable[P, R], /) -> Callable[P, R]: ...
 @overload
@@ -364,6 +369,12 @@ def _main(payload: bytes, conn: Connection, workdir: str) -> None:
     _die_with_caller()
     # Own session: the caller can kill everything the function started with one signal.
     os.setsid()
+    # Processes the function starts (os.system, posix_spawn) must not hold the answer
+    # pipe or multiprocessing's exit sentinel open: the caller would miss this exit.
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if int(name) > 2:
+                os.set_inheritable(int(name), False)
     fd = os.open(os.path.join(workdir, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
