@@ -27,6 +27,7 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
+from pathlib import Path
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
@@ -45,7 +46,6 @@ _DUMP_LIMIT = 2.0
 _EXIT_GRACE = 10.0
 #: Longest single wait: poll() takes milliseconds in a C int, a huge timeout overflows it.
 _WAIT_SLICE = 3600.0
-_TAIL_BYTES = 8192
 # Changing os.environ around start() is how a child gets its devices before its
 # interpreter starts; calls from several threads take turns at it.
 _START_LOCK = threading.Lock()
@@ -269,6 +269,8 @@ def _wait_answer(proc: Any, reader: Connection, deadline: float | None) -> Any:
 
 def _dump_stacks(pid: int, workdir: str) -> None:
     """Ask the child's faulthandler for every thread's stack; wait until it is written."""
+    from spawnrun._reports import size_of
+
     path = os.path.join(workdir, "stacks.txt")
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGUSR1)
@@ -276,24 +278,10 @@ def _dump_stacks(pid: int, workdir: str) -> None:
     size = -1
     while time.monotonic() < end:
         time.sleep(0.05)
-        now = _size(path)
+        now = size_of(path)
         if now and now == size:
             return
         size = now
-
-
-def _size(path: str) -> int:
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
-
-
-def _tail(path: str) -> str:
-    with contextlib.suppress(OSError), open(path, "rb") as f:
-        f.seek(max(0, _size(path) - _TAIL_BYTES))
-        return f.read().decode("utf-8", "replace").strip()
-    return ""
 
 
 def _failure(name: str, limit: float | None, code: int | None, workdir: str) -> CallFailed:
@@ -303,8 +291,10 @@ def _failure(name: str, limit: float | None, code: int | None, workdir: str) -> 
     else:
         kind = CallCrashed
         text = f"spawnrun.call: the child running {name} {_death(code)} before returning"
-    stacks = _tail(os.path.join(workdir, "stacks.txt"))
-    output = _tail(os.path.join(workdir, "output.log"))
+    from spawnrun._reports import tail
+
+    stacks = tail(Path(workdir, "stacks.txt"))
+    output = tail(Path(workdir, "output.log"))
     for title, body in ((STACKS, stacks), (OUTPUT, output)):
         if body:
             text += f"\n--- {title} ---\n{body}"

@@ -7,8 +7,10 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import spawnrun
@@ -294,3 +296,42 @@ def test_not_callable_and_arguments_without_function():
 )
 def test_timeout_values(timeout, limit):
     assert _call._limit(timeout) == limit
+
+
+def test_child_dies_with_its_caller(tmp_path):
+    script = tmp_path / "caller.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            import spawnrun
+
+            def hang(path):
+                # Its own session, so the caller can end whatever it starts.
+                with open(path, "w") as f:
+                    f.write(f"{os.getpid()} {os.getsid(0) == os.getpid()}")
+                time.sleep(300)
+
+            spawnrun.call(hang, "child.txt", timeout=600)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path])}
+    marker = tmp_path / "child.txt"
+    with subprocess.Popen([sys.executable, str(script)], cwd=tmp_path, env=env) as caller:
+        deadline = time.monotonic() + 60
+        while not marker.exists() or not marker.read_text():
+            assert time.monotonic() < deadline and caller.poll() is None
+            time.sleep(0.05)
+        pid, own_session = marker.read_text().split()
+        caller.kill()  # SIGKILL: the caller gets no chance to clean up
+    assert own_session == "True"
+    child = psutil.Process(int(pid))
+    try:
+        if child.status() != psutil.STATUS_ZOMBIE:  # a zombie is dead, waiting for init
+            child.wait(timeout=10)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        child.kill()
+        pytest.fail("the child outlived its SIGKILLed caller")
