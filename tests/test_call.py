@@ -106,7 +106,13 @@ def test_raises():
 
 
 def test_crashes():
-    spawnrun.call(segv, timeout=1e300)
+    try:
+        spawnrun.call(segv, timeout=1e300)
+    except spawnrun.CallFailed as exc:
+        assert isinstance(exc, spawnrun.CallCrashed)
+        assert exc.exitcode == -signal.SIGSEGV
+        assert "in segv" in exc.stacks and "last words" in exc.output
+        raise
 
 
 @pytest.mark.gpu(count=0)
