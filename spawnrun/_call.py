@@ -361,10 +361,11 @@ def _main(payload: bytes, conn: Connection, workdir: str) -> None:
     os.setsid()
     # Processes the function starts (os.system, posix_spawn) must not hold the answer
     # pipe or multiprocessing's exit sentinel open: the caller would miss this exit.
-    for name in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            if int(name) > 2:
-                os.set_inheritable(int(name), False)
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if int(name) > 2:
+                    os.set_inheritable(int(name), False)
     fd = os.open(os.path.join(workdir, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
