@@ -10,8 +10,23 @@ the plugin has no asserts that need rewriting.
 from __future__ import annotations
 
 import os
+from typing import Any
 
-__all__ = ["CHILD_ENV", "is_child", "__version__"]
+__all__ = [
+    "CHILD_ENV",
+    "CallCrashed",
+    "CallError",
+    "CallFailed",
+    "CallTimeout",
+    "ChildTraceback",
+    "call",
+    "is_child",
+    "__version__",
+]
+#: Loaded from ``spawnrun._call`` on first use, so importing the package stays cheap.
+_CALL_NAMES = frozenset(
+    {"call", "CallCrashed", "CallError", "CallFailed", "CallTimeout", "ChildTraceback"}
+)
 
 #: Set to ``"1"`` in the environment of every spawned test process.
 CHILD_ENV = "SPAWNRUN_CHILD"
@@ -22,10 +37,14 @@ def is_child() -> bool:
     return os.environ.get(CHILD_ENV) == "1"
 
 
-def __getattr__(name: str) -> str:
+def __getattr__(name: str) -> Any:
     # Lazy: importlib.metadata costs a few milliseconds we do not want per child.
     if name == "__version__":
         from importlib.metadata import version
 
         return version("spawnrun")
+    if name in _CALL_NAMES:
+        from spawnrun import _call
+
+        return getattr(_call, name)
     raise AttributeError(name)

@@ -1,0 +1,440 @@
+"""``spawnrun.call``: run one function in a fresh spawn child and bring back its result.
+
+Runs in both processes. The caller side (``call``, the exceptions) runs wherever a user
+calls it: the pytest parent, a spawned test, a plain script. ``_main`` is the child's
+entry point. This module imports neither pytest nor torch at import time, so the child
+boots with only what the function itself needs; the caller side loads ``_runner`` (and so
+pytest) and cloudpickle (the ``call`` extra) only once a call is made.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import functools
+import math
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+from collections.abc import Callable
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+from typing import ParamSpec
+from typing import TypeVar
+from typing import overload
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Devices = str | int | Sequence[int | str] | None
+
+INSTALL_HINT = 'spawnrun.call needs cloudpickle: pip install "spawnrun[call]"'
+STACKS = "Python stacks of all threads of the child"
+OUTPUT = "child stdout/stderr (tail)"
+#: How long a timed-out child may take to write its stacks before it is killed.
+_DUMP_LIMIT = 2.0
+#: How long a child that has answered may take to exit before it is killed.
+_EXIT_GRACE = 10.0
+#: Longest single wait: poll() takes milliseconds in a C int, a huge timeout overflows it.
+_WAIT_SLICE = 3600.0
+# Changing os.environ around start() is how a child gets its devices before its
+# interpreter starts; calls from several threads take turns at it.
+_START_LOCK = threading.Lock()
+
+
+class ChildTraceback(Exception):
+    """The formatted traceback of an exception raised in the child (set as ``__cause__``)."""
+
+    def __str__(self) -> str:
+        return "\n" + str(self.args[0]) if self.args else ""
+
+
+class CallError(Exception):
+    """The function raised an exception that cannot be rebuilt in the caller."""
+
+
+class CallFailed(RuntimeError):
+    """The child ended without an answer: it crashed or was timed out."""
+
+    def __init__(
+        self, message: str, *, function: str, exitcode: int | None, stacks: str, output: str
+    ) -> None:
+        super().__init__(message)
+        self.function = function
+        self.exitcode = exitcode
+        self.stacks = stacks
+        self.output = output
+
+
+class CallCrashed(CallFailed):
+    """The child died (a signal, ``os._exit``) before returning."""
+
+
+class CallTimeout(CallFailed):
+    """The function did not return within the timeout; the child was killed."""
+
+
+# Shown (and pickled) by their public names.
+for _cls in (ChildTraceback, CallError, CallFailed, CallCrashed, CallTimeout):
+    _cls.__module__ = "spawnrun"
+
+
+@overload
+def call(fn: Callable[P, R], /) -> Callable[P, R]: ...
+@overload
+def call(
+    *, devices: Devices = None, timeout: float | None = None
+) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+@overload
+def call(
+    fn: Callable[..., R],
+    /,
+    *args: Any,
+    devices: Devices = None,
+    timeout: float | None = None,
+    **kwargs: Any,
+) -> R: ...
+def call(fn: Any = None, /, *args: Any, **kwargs: Any) -> Any:
+    """Run ``fn(*args, **kwargs)`` in a fresh spawn child and return its result.
+
+    Given a function and nothing else (``@spawnrun.call``), or only options
+    (``@spawnrun.call(devices=0, timeout=60)``), it is a decorator instead: calling the
+    decorated function runs it in a child. ``devices``: None keeps the caller's
+    ``CUDA_VISIBLE_DEVICES``; a str, an int or a sequence sets it for the child (an empty
+    sequence: no device). ``timeout``: seconds; None, 0 or inf for no limit.
+    """
+    __tracebackhide__ = True
+    # Options are told apart from the function's own keywords by presence, not value:
+    # call(fn) alone is the bare decorator, call(fn, timeout=None) runs fn now.
+    only_fn = not args and not kwargs
+    visible = _visible_devices(kwargs.pop("devices", None))
+    limit = _limit(kwargs.pop("timeout", None))
+    if fn is None:
+        if args or kwargs:
+            raise TypeError("spawnrun.call: arguments given but no function to call")
+        return functools.partial(_decorate, visible=visible, limit=limit)
+    if not callable(fn):
+        raise TypeError(f"spawnrun.call: {fn!r} is not callable")
+    if only_fn:
+        return _decorate(fn, visible, limit)
+    return _run(fn, args, kwargs, visible, limit)
+
+
+def _decorate(fn: Callable[P, R], visible: str | None, limit: float | None) -> Callable[P, R]:
+    # functools.wraps stores fn as __wrapped__; the module attribute now names the
+    # wrapper, so cloudpickle ships fn by value, never as a reference to the wrapper.
+    @functools.wraps(fn)
+    def in_child(*args: P.args, **kwargs: P.kwargs) -> R:
+        __tracebackhide__ = True
+        result: R = _run(fn, args, kwargs, visible, limit)
+        return result
+
+    return in_child
+
+
+def _visible_devices(devices: object) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for the child, or None to keep the caller's."""
+    if devices is None:
+        return None
+    if isinstance(devices, str):
+        items: list[object] = [] if devices.strip() == "" else list(devices.split(","))
+    elif isinstance(devices, Sequence) and not isinstance(devices, (bytes, bytearray)):
+        items = list(devices)
+    elif isinstance(devices, int) and not isinstance(devices, bool):
+        items = [devices]
+    else:
+        raise TypeError(
+            "spawnrun.call: devices= takes None, a str such as '0,1', an int or a list/tuple "
+            f"of ints and device names, not {type(devices).__name__}"
+        )
+    names = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise TypeError(f"spawnrun.call: devices= item {item!r} is not an int or a str")
+        text = str(item).strip()
+        if isinstance(item, int) and item < 0:
+            raise ValueError(f"spawnrun.call: devices= item {item} is negative")
+        if not text or "," in text or any(c.isspace() for c in text):
+            raise ValueError(f"spawnrun.call: devices= item {item!r} is not a device")
+        names.append(text)
+    return ",".join(names)
+
+
+def _limit(timeout: object) -> float | None:
+    """The timeout in seconds, or None for no limit."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"spawnrun.call: timeout= takes seconds, not {type(timeout).__name__}")
+    try:
+        seconds = float(timeout)
+    except OverflowError:  # an int beyond float: no limit in practice
+        return None
+    if math.isnan(seconds) or seconds < 0:
+        raise ValueError(f"spawnrun.call: timeout={timeout!r} is not a number of seconds >= 0")
+    return None if seconds == 0 or math.isinf(seconds) else seconds
+
+
+def _cloudpickle() -> Any:
+    try:
+        import cloudpickle
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT, name="cloudpickle") from exc
+    return cloudpickle
+
+
+def _describe(fn: Any) -> str:
+    qualname = getattr(fn, "__qualname__", None)
+    return f"{getattr(fn, '__module__', '?')}.{qualname}" if qualname else repr(fn)
+
+
+def _run(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    visible: str | None,
+    limit: float | None,
+) -> Any:
+    __tracebackhide__ = True
+    # cloudpickle ships code by value with the file name "<dynamic-code>"; the child puts
+    # the real one back, so its tracebacks and stacks name the file and show its lines.
+    filename = getattr(getattr(fn, "__code__", None), "co_filename", "")
+    payload = _cloudpickle().dumps((fn, args, kwargs, filename))
+    # Loaded here, not at import: _runner brings pytest, which the child never needs.
+    from spawnrun import _runner
+
+    name = _describe(fn)
+    env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    workdir = tempfile.mkdtemp(prefix="spawnrun-call-")
+    reader, writer = _runner.CTX.Pipe(duplex=False)
+    proc: Any = _runner.CTX.Process(
+        target=_main, args=(payload, writer, workdir), name=f"spawnrun.call {name}"
+    )
+    try:
+        with _START_LOCK, _runner.child_environ(env), _runner.no_main_reimport():
+            proc.start()
+        writer.close()
+        deadline = None if limit is None else time.monotonic() + limit
+        answer = _wait_answer(proc, reader, deadline)
+        if answer is None:  # the deadline passed
+            _dump_stacks(proc.pid, workdir)
+        elif answer is not _DIED:
+            wait([proc.sentinel], _EXIT_GRACE)
+        # The child is gone or a zombie until join(): its pid cannot be reused yet.
+        _runner.signal_pids([proc.pid, *_runner.group_members(proc.pid)], signal.SIGKILL)
+        proc.join()
+        if answer is None or answer is _DIED:
+            raise _failure(name, limit if answer is None else None, proc.exitcode, workdir)
+        _replay_output(workdir)
+        return _unpack(name, answer)
+    finally:
+        if proc.pid is not None and proc.exitcode is None:  # interrupted: end it
+            _runner.signal_pids([proc.pid, *_runner.group_members(proc.pid)], signal.SIGKILL)
+            proc.join()
+        for end in (reader, writer):
+            end.close()
+        with contextlib.suppress(ValueError):
+            proc.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+_DIED = ("died",)
+
+
+def _wait_answer(proc: Any, reader: Connection, deadline: float | None) -> Any:
+    """The child's answer, ``_DIED`` if it ended without one, None at the deadline."""
+    while True:
+        remaining = _WAIT_SLICE if deadline is None else deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        ready = wait([reader, proc.sentinel], min(remaining, _WAIT_SLICE))
+        if reader in ready:  # checked first: an answer and the exit can come together
+            try:
+                return reader.recv()
+            except (EOFError, OSError):
+                wait([proc.sentinel], _EXIT_GRACE)
+                return _DIED
+        if proc.sentinel in ready:
+            return _DIED
+
+
+def _dump_stacks(pid: int, workdir: str) -> None:
+    """Ask the child's faulthandler for every thread's stack; wait until it is written."""
+    from spawnrun._reports import size_of
+
+    path = os.path.join(workdir, "stacks.txt")
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGUSR1)
+    end = time.monotonic() + _DUMP_LIMIT
+    size = -1
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        now = size_of(path)
+        if now and now == size:
+            return
+        size = now
+
+
+def _failure(name: str, limit: float | None, code: int | None, workdir: str) -> CallFailed:
+    if limit is not None:
+        kind: type[CallFailed] = CallTimeout
+        text = f"spawnrun.call: {name} did not return within the timeout ({limit:g} s); killed"
+    else:
+        kind = CallCrashed
+        text = f"spawnrun.call: the child running {name} {_death(code)} before returning"
+    from spawnrun._reports import tail
+
+    stacks = tail(Path(workdir, "stacks.txt"))
+    output = tail(Path(workdir, "output.log"))
+    for title, body in ((STACKS, stacks), (OUTPUT, output)):
+        if body:
+            text += f"\n--- {title} ---\n{body}"
+    return kind(text, function=name, exitcode=code, stacks=stacks, output=output)
+
+
+def _death(code: int | None) -> str:
+    if code is None or code >= 0:
+        return f"exited with status {code}"
+    try:
+        sig = signal.Signals(-code).name
+    except ValueError:
+        sig = "unknown signal"
+    return f"was killed by signal {sig} ({-code})"
+
+
+def _replay_output(workdir: str) -> None:
+    """What the child printed, onto the caller's stdout (captured by pytest in a test)."""
+    try:
+        with open(os.path.join(workdir, "output.log"), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return
+    if text and sys.stdout is not None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def _unpack(name: str, answer: tuple[Any, ...]) -> Any:
+    __tracebackhide__ = True
+    if answer[0] == "returned":
+        try:
+            return pickle.loads(answer[1])
+        except Exception as exc:
+            raise CallError(
+                f"spawnrun.call: the result of {name} cannot be unpickled here"
+            ) from exc
+    _, data, type_name, message, text = answer
+    error: object = None
+    with contextlib.suppress(Exception):
+        error = pickle.loads(data) if data is not None else None
+    if not isinstance(error, BaseException):
+        error = CallError(f"{name} raised {type_name}: {message} (it cannot be rebuilt here)")
+    error.__cause__ = ChildTraceback(text)
+    if hasattr(error, "add_note"):  # Python 3.11+
+        error.add_note(f"spawnrun.call: raised in the child running {name} (traceback above)")
+    raise error
+
+
+# The child ---------------------------------------------------------------------------
+
+#: prctl's option: the signal this process gets when its parent ends (Linux).
+_PR_SET_PDEATHSIG = 1
+
+
+def _main(payload: bytes, conn: Connection, workdir: str) -> None:
+    """The child: isolate, run the function, send what came of it, exit normally.
+
+    Returning lets multiprocessing end the interpreter the normal way, so the function's
+    libraries get their exit work (threads joined, ``atexit`` handlers).
+    """
+    _die_with_caller()
+    # Own session: the caller can kill everything the function started with one signal.
+    os.setsid()
+    # Processes the function starts (os.system, posix_spawn) must not hold the answer
+    # pipe or multiprocessing's exit sentinel open: the caller would miss this exit.
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                if int(name) > 2:
+                    os.set_inheritable(int(name), False)
+    fd = os.open(os.path.join(workdir, "output.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # A bare descriptor, never closed: a file object would warn at exit under -X dev.
+    stacks = os.open(os.path.join(workdir, "stacks.txt"), os.O_WRONLY | os.O_CREAT, 0o600)
+    faulthandler.enable(file=stacks, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
+    answer: tuple[Any, ...]
+    try:
+        import cloudpickle
+
+        fn, args, kwargs, filename = pickle.loads(payload)
+        _refile(fn, filename)
+        answer = ("returned", cloudpickle.dumps(fn(*args, **kwargs)))
+    except BaseException as exc:  # noqa: BLE001 - the caller gets every failure
+        answer = _raised(exc)
+    with conn:
+        conn.send(answer)
+
+
+def _refile(fn: Any, filename: str) -> None:
+    """Give ``fn``, and the functions of its module shipped with it, their file back."""
+    module = getattr(fn, "__module__", None)
+    globals_ = getattr(fn, "__globals__", {})
+    for f in [fn, *globals_.values()]:
+        code = getattr(f, "__code__", None)
+        if isinstance(code, types.CodeType) and code.co_filename == _DYNAMIC:
+            if f is fn or getattr(f, "__module__", None) == module:
+                f.__code__ = _with_filename(code, filename)
+
+
+_DYNAMIC = "<dynamic-code>"
+
+
+def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
+    consts = tuple(
+        _with_filename(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts
+    )
+    return code.replace(co_filename=filename, co_consts=consts)
+
+
+def _raised(exc: BaseException) -> tuple[Any, ...]:
+    tb = exc.__traceback__
+    if tb is not None and tb.tb_frame.f_code is _main.__code__:
+        tb = tb.tb_next  # the caller knows it called the function; this frame is noise
+    text = "".join(traceback.format_exception(type(exc), exc, tb)).rstrip()
+    data = None
+    with contextlib.suppress(Exception):
+        import cloudpickle
+
+        data = cloudpickle.dumps(exc)
+    try:
+        message = str(exc)
+    except Exception:  # noqa: BLE001
+        message = "<str() failed>"
+    kind = type(exc)
+    return ("raised", data, f"{kind.__module__}.{kind.__qualname__}", message, text)
+
+
+def _die_with_caller() -> None:
+    """Be killed when the caller ends, even by SIGKILL (as ``_child.die_with_parent``;
+    not imported from there, since ``_child`` imports pytest)."""
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux
+    if parent == 1 or os.getppid() != parent:
+        os._exit(70)  # the caller ended before the request took effect
