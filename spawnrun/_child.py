@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import faulthandler
 import gc
+import io
 import os
 import pickle
 import signal
@@ -212,7 +213,7 @@ class _Relay:
         #: Where the test's terminal output starts in ``sink`` (set at the go).
         self.terminal_from = -1
         #: Where the child's terminal reporter writes (set at configure).
-        self.sink: IO[str] | None = None
+        self.sink: _Sink | None = None
 
     def send(self, msg: proto.Message) -> None:
         try:
@@ -233,22 +234,49 @@ class _Relay:
         _arm_faulthandler(self.stacks)
         # The parent prints the replayed reports; the child's terminal reporter stays,
         # since plugins (pytest-timeout, --setup-show) write through it, but without its
-        # own per-test lines, into the child's output file: there, what pytest and the
-        # test write to the terminal keeps its order, and the parent replays it in the
-        # test's place. With -s the output streams live, and the reporter writes to a
-        # file of its own.
+        # own per-test lines, and into a file (see _Sink).
         pm = config.pluginmanager
         old = pm.get_plugin("terminalreporter")
         if old is not None:
             pm.unregister(old)
-            path = self.spec.log_path or os.path.join(
-                os.path.dirname(self.spec.stacks_path), "terminal.log"
-            )
-            # Line-buffered: a plugin may end the process right after writing.
-            sink = self.sink = open(  # noqa: SIM115 - lives as long as the process
-                path, "a", buffering=1, encoding="utf-8", errors="replace"
+            sink = self.sink = _Sink(
+                os.path.join(os.path.dirname(self.spec.stacks_path), "terminal.log")
             )
             pm.register(_quiet_reporter()(config, sink), "terminalreporter")
+
+    def _xunit2_warning(self, request: Any, fixture: str) -> None:
+        family = self.spec.junit_family
+        if family and family not in ("xunit1", "legacy"):
+            request.node.warn(
+                pytest.PytestWarning(
+                    f"{fixture} is incompatible with junit_family '{family}' "
+                    "(use 'legacy' or 'xunit1')"
+                )
+            )
+
+    @pytest.fixture
+    def record_property(self, request: Any) -> Any:
+        """pytest's fixture, warning as it does when the parent writes junitxml."""
+        self._xunit2_warning(request, "record_property")
+
+        def append_property(name: str, value: object) -> None:
+            request.node.user_properties.append((name, value))
+
+        return append_property
+
+    @pytest.fixture
+    def record_xml_attribute(self, request: Any) -> Any:
+        """pytest's fixture, sending the attribute to the parent, whose junitxml writes it."""
+        request.node.warn(
+            pytest.PytestExperimentalApiWarning("record_xml_attribute is an experimental feature")
+        )
+        self._xunit2_warning(request, "record_xml_attribute")
+
+        def add_attribute(name: str, value: object) -> None:
+            if self.spec.junit_family:
+                self.send(proto.XmlAttribute(str(name), str(value)))
+
+        return add_attribute
 
     @pytest.fixture(scope="session")
     def record_testsuite_property(self) -> Any:
@@ -274,6 +302,8 @@ class _Relay:
             if not self.done:
                 self.done = True
                 self.send(proto.Done(self.notes, self._terminal_since()))
+                if self.sink is not None:
+                    self.sink.to_own()  # the session's end is no part of the test
             elif self.notes:
                 self.send(proto.After(self.notes))
         except OSError:
@@ -347,7 +377,9 @@ class _Relay:
                     stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
         if self.sink is not None:
             self.sink.flush()
-            self.terminal_from = os.path.getsize(self.sink.name)
+            if self.spec.log_path is not None:
+                self.sink.to_output(self.spec.log_path)
+            self.terminal_from = os.path.getsize(self.sink.current)
 
     def _terminal_since(self) -> str:
         """What reached the terminal since the last call (from the go on)."""
@@ -357,7 +389,7 @@ class _Relay:
             with contextlib.suppress(Exception):
                 stream.flush()  # type: ignore[union-attr]
         try:
-            with open(self.sink.name, "rb") as f:
+            with open(self.sink.current, "rb") as f:
                 f.seek(self.terminal_from)
                 data = f.read()
         except OSError:
@@ -398,11 +430,18 @@ class _Relay:
         if report.nodeid != self.spec.nodeid:
             return
         self.made.pop(report.when, None)
-        self.send(proto.Report(self._serializable(report), terminal=self._terminal_since()))
+        data = self._serializable(report)
+        rendered = hasattr(report.longrepr, "toterminal") and isinstance(data.get("longrepr"), str)
+        self.send(proto.Report(data, terminal=self._terminal_since(), rendered=rendered))
 
     def _serializable(self, report: Any) -> Any:
+        config = self.config
+        # Some plugins settle a report's outcome when its status is asked, from state of
+        # this process (subtests: a test whose subtests failed fails): ask here.
+        with contextlib.suppress(Exception):
+            config.hook.pytest_report_teststatus(report=report, config=config)
         report.sections = [(t, _bounded(c)) for t, c in report.sections]
-        return self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+        return config.hook.pytest_report_to_serializable(config=config, report=report)
 
     def pytest_warning_recorded(
         self, warning_message: Any, when: str, nodeid: str, location: Any
@@ -428,7 +467,7 @@ class _Relay:
         if self.sink is None:
             return text
         self.sink.flush()
-        path = self.sink.name
+        path = self.sink.own.name
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 said = f.read()[-_EARLY_TAIL:].strip()
@@ -484,6 +523,47 @@ def _continue_reruns(item: Any, done: int) -> None:
         return max(count, done) if crashitem == nodeid else count
 
     db.get_test_failures = get_test_failures
+
+
+class _Sink(io.TextIOBase):
+    """Where the child's terminal reporter writes.
+
+    While the child boots and ends: a file of its own (its header and collection lines
+    are not the user's business; an error before the test is read from there). During
+    the test: the child's output file, where what pytest writes (``--setup-show``,
+    live logs, a plugin's dump) and what bypasses capture keep their order; the parent
+    replays that in the test's place. With -s the output streams live and the reporter
+    keeps its own file. Line-buffered: a plugin may end the process right after writing.
+    """
+
+    encoding = "utf-8"
+
+    def __init__(self, path: str) -> None:
+        self.own = self.target = _line_file(path, "w")
+        self.current = path
+
+    def to_output(self, path: str) -> None:
+        self.target = _line_file(path, "a")
+        self.current = path
+
+    def to_own(self) -> None:
+        if self.target is not self.own:
+            self.target.close()
+            self.target = self.own
+            self.current = self.own.name
+
+    def write(self, text: str) -> int:
+        return self.target.write(text)
+
+    def flush(self) -> None:
+        self.target.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _line_file(path: str, mode: str) -> IO[str]:
+    return open(path, mode, buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
 
 
 def _quiet_reporter() -> Any:

@@ -275,7 +275,7 @@ class ZygoteHolder:
             self.excluded += [p for p in ready.suspects or [culprit] if p not in base_tops]
             left_out = ", ".join(ready.suspects or [culprit])
             text = TRIMMED.format(module=left_out, reason=ready.problem)
-            _reports.record_warning(config, _reports.warning(text, "spawnrun-zygote"), "")
+            _reports.record_warning(config, _reports.warning(text), "")
             self.zygote.close()
             kept = [m for m in self.optional if _top(m) not in self.excluded]
             self.zygote = self._make(self.base + kept)
@@ -289,7 +289,7 @@ class ZygoteHolder:
         if self.zygote is not None:
             self.zygote.close()
         text = OFF.format(reason=reason)
-        _reports.record_warning(config, _reports.warning(text, "spawnrun-zygote"), "")
+        _reports.record_warning(config, _reports.warning(text), "")
 
     def close(self) -> None:
         if self.zygote is not None:

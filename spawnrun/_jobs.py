@@ -222,6 +222,9 @@ class Job:
         if isinstance(msg, proto.After):
             self.after_notes += msg.notes  # told as a warning when the job finishes
             return
+        if isinstance(msg, proto.XmlAttribute):
+            self.replay.xml_attributes.append((msg.name, msg.value))
+            return
         if isinstance(msg, proto.SuiteProperty):
             _replay.suite_property(self.item.config, msg.name, msg.value)
             return
@@ -249,6 +252,7 @@ class Job:
         elif isinstance(msg, proto.Report):
             config = self.item.config
             report = config.hook.pytest_report_from_serializable(config=config, data=msg.data)
+            _replay.restore(report, msg.data, msg.rendered)
             if msg.pending:
                 replay.add_pending(report)
             else:
@@ -458,6 +462,13 @@ class Job:
         self.candidates = _candidate_args(self.item)
 
 
+def _junit_family(config: pytest.Config) -> str:
+    """The family of the junitxml file this process writes ("" when it writes none)."""
+    if not config.option.xmlpath or hasattr(config, "workerinput"):
+        return ""  # an xdist worker: the controller writes it, as in-process
+    return str(config.getini("junit_family"))
+
+
 def _rerun_limit(item: pytest.Item) -> int | None:
     """The reruns pytest-rerunfailures grants the test (None: not installed, or none)."""
     plugin = item.config.pluginmanager.get_plugin("rerunfailures")
@@ -523,6 +534,7 @@ def _start(
         workerinput=_workerinput(config),
         late_options=late,
         executions=executions,
+        junit_family=_junit_family(config),
     )
     holder = config.stash.get(ZYGOTE_KEY, None)
     if holder is not None:

@@ -47,6 +47,9 @@ class ChildSpec:
     late_options: dict[str, bytes] = field(default_factory=dict)
     #: Executions of the test before this child's (a crash rerun by pytest-rerunfailures).
     executions: int = 0
+    #: The junit family of the junitxml file the parent writes ("": none), for the
+    #: fixtures that feed it from the child.
+    junit_family: str = ""
     protocol: int = PROTOCOL_VERSION
 
 
@@ -92,6 +95,9 @@ class Report:
     #: What reached the child's terminal since its previous report (or the go): the
     #: parent prints it just before this report, as pytest would have.
     terminal: str = ""
+    #: The failure was a rendering, not a traceback (a doctest's): pytest sends it as
+    #: text, which the parent turns back into a rendering (no one-line message).
+    rendered: bool = False
 
 
 @dataclass(frozen=True)
@@ -131,13 +137,31 @@ class SuiteProperty:
 
 
 @dataclass(frozen=True)
+class XmlAttribute:
+    """``record_xml_attribute(name, value)`` called in the child: for junitxml."""
+
+    name: str
+    value: str
+
+
+@dataclass(frozen=True)
 class After:
     """Errors the child met after its "done" (session finish, unconfigure)."""
 
     notes: list[str] = field(default_factory=list)
 
 
-Message = Booted | Phase | Report | WarningRecord | Interrupted | Done | After | SuiteProperty
+Message = (
+    Booted
+    | Phase
+    | Report
+    | WarningRecord
+    | Interrupted
+    | Done
+    | After
+    | SuiteProperty
+    | XmlAttribute
+)
 
 
 # The zygote (``--spawn-method forkserver``) ---------------------------------------------

@@ -11,6 +11,7 @@ report, whatever its child did: missing phases are synthesized as failures.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import warnings
 from typing import Any
@@ -40,6 +41,8 @@ class Replay:
         #: before the report of the same index, and after the last one.
         self.terminal_before: dict[int, str] = {}
         self.terminal = ""
+        #: ``record_xml_attribute`` calls of the child, for junitxml.
+        self.xml_attributes: list[tuple[str, str]] = []
         #: (name, value) pairs added to every report: devices, wall time.
         self.properties: list[tuple[str, object]] = []
 
@@ -149,6 +152,8 @@ class Replay:
         """
         item = self.item
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        if self.xml_attributes:
+            _xml_attributes(item, self.xml_attributes)
         if interrupted:
             for i, report in enumerate(self.reports):
                 self._write(self.terminal_before.get(i, ""))
@@ -176,6 +181,37 @@ class Replay:
         reporter = self.item.config.pluginmanager.get_plugin("terminalreporter")
         if text and reporter is not None:
             reporter.write(text)
+
+
+class Rendered:
+    """A failure rendering that crossed the wire as text (a doctest's ``ReprFailDoctest``).
+
+    In-process it has no one-line crash message, so the short summary shows none; a
+    plain string would put its first line there.
+    """
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def toterminal(self, out: Any) -> None:
+        for line in self.text.split("\n"):
+            out.line(line)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def restore(report: pytest.TestReport, data: dict[str, Any], rendered: bool) -> None:
+    """Undo what a report's trip through JSON changed (what pytest's own decoding misses)."""
+    if rendered and isinstance(report.longrepr, str):
+        report.longrepr = Rendered(report.longrepr)  # type: ignore[assignment]
+    # pytest's subtest reports repr their kwargs when made and again when decoded
+    # (pytest 9's ``SubtestContext._from_json``): keep the values as sent.
+    context = getattr(report, "context", None)
+    sent = data.get("_subtest.context")
+    if context is not None and isinstance(sent, dict) and isinstance(sent.get("kwargs"), dict):
+        with contextlib.suppress(Exception):
+            object.__setattr__(context, "kwargs", dict(sent["kwargs"]))
 
 
 def _xfail_of(item: pytest.Item) -> Any:
@@ -245,6 +281,17 @@ def parent_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> pytest.T
         # (pytest-rerunfailures keeps state from the setup report, made in the child).
         report = pytest.TestReport.from_item_and_call(item, call)
     return report
+
+
+def _xml_attributes(item: pytest.Item, attributes: list[tuple[str, str]]) -> None:
+    """Give junitxml the ``record_xml_attribute`` calls made in a child (see below)."""
+    from _pytest.junitxml import xml_key
+
+    xml = item.config.stash.get(xml_key, None)
+    if xml is not None:
+        reporter = xml.node_reporter(item.nodeid)
+        for name, value in attributes:
+            reporter.add_attribute(name, value)
 
 
 def suite_property(config: pytest.Config, name: str, value: str) -> None:

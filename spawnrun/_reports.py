@@ -6,6 +6,7 @@ Runs in the parent. Message prefixes are constants so tests can import them.
 from __future__ import annotations
 
 import signal
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,15 @@ class SpawnrunWarning(pytest.PytestWarning):
     """Something spawnrun did on a test's behalf that its author should know."""
 
 
-def warning(text: str, filename: str, lineno: int = 0) -> warnings.WarningMessage:
+def warning(text: str, filename: str = "", lineno: int = 0) -> warnings.WarningMessage:
+    """A warning at a test's location or, by default, where spawnrun gives it.
+
+    pytest prints ``file:line`` before every warning; a run-wide note without a test
+    points at spawnrun's own code, as pytest's own warnings do, never at line 0.
+    """
+    if not filename:
+        caller = sys._getframe(1)
+        filename, lineno = caller.f_code.co_filename, caller.f_lineno
     return warnings.WarningMessage(SpawnrunWarning(text), SpawnrunWarning, filename, lineno)
 
 

@@ -17,7 +17,8 @@ def pytest_runtest_logreport(report):
     _seen.append([report.nodeid, report.when, report.outcome, hasattr(report, "wasxfail")])
 
 def pytest_sessionfinish(session):
-    if os.environ.get("SPAWNRUN_CHILD") != "1":
+    # The parent only: not a spawned child, nor an xdist worker (its controller records).
+    if os.environ.get("SPAWNRUN_CHILD") != "1" and not os.environ.get("PYTEST_XDIST_WORKER"):
         with open(os.environ["SPAWNRUN_TEST_OUTCOMES"], "w") as f:
             json.dump(_seen, f)
 """

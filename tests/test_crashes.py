@@ -59,9 +59,13 @@ def _matrix_source() -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_crash_matrix(outcomes, pytester):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_crash_matrix(outcomes, pytester, method):
     pytester.makepyfile(test_matrix=_matrix_source())
-    result, seen = outcomes.run("-rA")
+    # What the child printed outside pytest's capture (a plugin, as the child's pytest
+    # starts) is part of every report, in both start methods.
+    pytester.makepyfile(bootplugin="print('BOOT-LINE-OF-THE-CHILD')")
+    result, seen = outcomes.run("-rA", "--spawn-method", method, "-p", "bootplugin")
     result.stdout.no_fnmatch_line(NO_INTERNAL)
     # setup crashes are errors; call crashes failures; teardown crashes keep the
     # passed call and add an error. The session goes on to the last test.
@@ -86,6 +90,7 @@ def test_crash_matrix(outcomes, pytester):
         [f"*{_reports.STACKS}*", "*line * in die*", "*line * in test_crash*"]
     )
     result.stdout.fnmatch_lines([f"*{_reports.CAPTURED}*", "last words of segfault"])
+    result.stdout.fnmatch_lines([f"*{_reports.OUTPUT}*", "BOOT-LINE-OF-THE-CHILD"])
 
 
 @pytest.mark.parametrize(

@@ -124,6 +124,8 @@ def test_template_leaves_out_a_library_that_starts_a_thread(pytester, monkeypatc
     if how == "collection":
         result.assert_outcomes(passed=2, warnings=1)
         result.stdout.fnmatch_lines(["*forkserver leaves threadlib out of its template*thread*"])
+        # A real location (spawnrun's code, as pytest's own warnings show), never ":0".
+        result.stdout.fnmatch_lines(["*spawnrun/_forkserver.py:*: SpawnrunWarning*"])
     else:  # a -p module is rewritten by pytest: never preloaded, so nothing to leave out
         result.assert_outcomes(passed=2)
     result.stdout.no_fnmatch_line("*forkserver is off*")

@@ -162,8 +162,10 @@ MODES = {
     "lookahead-2": ["--spawn-jobs", "1", "--spawn-lookahead", "2"],
     "lookahead-0": ["--spawn-lookahead", "0"],
     "forkserver": ["--spawn-method", "forkserver"],
+    # Two xdist workers, each spawning its tests' children.
+    "xdist": ["-n", "2"],
 }
-MARKED = ("marker", "lookahead-2", "lookahead-0", "forkserver")
+MARKED = ("marker", "lookahead-2", "lookahead-0", "forkserver", "xdist")
 
 
 def _by_test(record):

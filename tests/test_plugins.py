@@ -165,3 +165,66 @@ def test_pytest_timeout_thread_dump_reaches_the_report(pytester):
     )
     result.stdout.fnmatch_lines(["*in sleeping_in_the_test*"])
     result.stdout.no_fnmatch_line(NO_INTERNAL)
+
+
+@pytest.mark.parametrize("family", ["xunit2", "xunit1"])
+def test_junitxml_fixtures_in_a_child_act_as_in_process(pytester, family):
+    # record_xml_attribute reaches the test's element; the fixtures warn as in-process
+    # (experimental; incompatible with xunit2), since the parent writes the junitxml.
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        def test_x(record_property, record_xml_attribute):
+            record_property("k", "v")
+            record_xml_attribute("owner", "team-a")
+        """
+    )
+    import xml.etree.ElementTree as ET
+
+    def run(*extra: str) -> tuple[dict[str, str], list[str], int]:
+        xml = pytester.path / "out.xml"
+        result = pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", f"junit_family={family}", *extra
+        )
+        result.assert_outcomes(passed=1)
+        case = next(ET.parse(xml).getroot().iter("testcase"))
+        attrs = {k: v for k, v in case.attrib.items() if k not in ("time",)}
+        said = [ln.strip() for ln in result.stdout.lines if "Warning:" in ln]
+        return attrs, said, result.parseoutcomes()["warnings"]
+
+    in_process = run("--no-spawn")
+    if family == "xunit1":  # xunit2 keeps only its own attributes
+        assert in_process[0].get("owner") == "team-a"
+    assert run() == in_process
+
+
+def test_doctest_and_subtest_summaries_read_as_in_process(pytester):
+    # The short summary's lines (a failing doctest's, subtests' with their kwargs) are
+    # pytest's own rendering of replayed reports: the same as in-process.
+    pytester.makepyfile(mod='def f():\n    """\n    >>> 1 + 1\n    3\n    """\n')
+    has_subtests = hasattr(pytest, "Subtests")
+    if has_subtests:  # built into pytest from 9.0
+        pytester.makepyfile(
+            test_sub="""
+            def test_sub(subtests):
+                for i in range(2):
+                    with subtests.test(msg="m", i=i, name="x"):
+                        assert i == 0
+            """
+        )
+
+    def summary(*extra: str) -> list[str]:
+        result = pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", "--doctest-modules", "-rA", *extra
+        )
+        lines = result.stdout.lines
+        return lines[lines.index(next(ln for ln in lines if "short test summary" in ln)) + 1 :]
+
+    spawned = summary("--spawn-gpu")
+    assert any(ln.startswith("FAILED mod.py::mod.f") for ln in spawned)
+    assert not has_subtests or any("i=" in ln for ln in spawned)
+    in_process = summary("--no-spawn")
+    # The last line's time differs.
+    assert spawned[:-1] == in_process[:-1]
