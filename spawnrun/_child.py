@@ -30,6 +30,7 @@ from typing import NoReturn
 
 import pytest
 
+from spawnrun import _probe
 from spawnrun import _protocol as proto
 
 #: True in a process whose pytest session was started by ``main``: the plugin then
@@ -301,7 +302,9 @@ class _Relay:
         try:
             if not self.done:
                 self.done = True
-                self.send(proto.Done(self.notes, self._terminal_since()))
+                self.send(
+                    proto.Done(self.notes, self._terminal_since(), _probe.peak_device_memory())
+                )
                 if self.sink is not None:
                     self.sink.to_own()  # the session's end is no part of the test
             elif self.notes:

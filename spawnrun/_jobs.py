@@ -145,6 +145,11 @@ class Job:
         self.env_unset: list[str] = []
         #: Executions of the test by earlier children (crash reruns).
         self.executions = 0
+        #: For the run summary: children started, crashes, timeouts, peak device memory.
+        self.children_started = 0
+        self.crashes = 0
+        self.timeouts = 0
+        self.peak_device_bytes: int | None = None
 
     # Starting --------------------------------------------------------------------
 
@@ -160,6 +165,7 @@ class Job:
         """Start the child (ahead of the turn, or at it) with its final environment."""
         self.environ = dict(os.environ)
         self.child = _start(self.item, self.candidates.pop(0), self.env(), self.executions)
+        self.children_started += 1
         self.pids.add(self.child.pid)
         self.started = time.monotonic()
         self.state = State.BOOTING if self.turned else State.AHEAD
@@ -263,6 +269,7 @@ class Job:
             self.interrupted = msg
         elif isinstance(msg, proto.Done):
             replay.terminal = msg.terminal
+            self.peak_device_bytes = msg.peak_device_bytes
             if self.interrupted is None:
                 replay.complete(msg.notes)
             self._ended()
@@ -325,6 +332,11 @@ class Job:
             timed = sum(r.duration for r in self.replay.reports)
             wall = max(time.monotonic() - self.went, timed)
             self.replay.properties.append(("spawnrun_wall_s", round(wall, 4)))
+        if self.boot_seconds is not None:
+            self.replay.properties.append(("spawnrun_boot_s", round(self.boot_seconds, 3)))
+        if self.peak_device_bytes is not None:
+            mib = round(self.peak_device_bytes / 2**20, 1)
+            self.replay.properties.append(("spawnrun_peak_gpu_mib", mib))
         child = self.child
         assert child is not None
         if child.gone or child.exitcode is not None:
@@ -342,6 +354,7 @@ class Job:
         _runner.signal_pids(self.left_behind, signal.SIGKILL)
         self.reaped_count += len(self.left_behind)
         text = _reports.death_text(self.item.nodeid, phase, code)
+        self.crashes += 1
         self.replay.died(phase, text, _reports.evidence(child.spec, len(self.left_behind)))
         if not self._rerun():
             self._ended()
@@ -373,6 +386,7 @@ class Job:
         text = f"{_reports.TIMEOUT} (>{self.timeout:g} s) during {phase}\nnode id: "
         text += self.item.nodeid
         evidence = _reports.evidence(self.child.spec, len(self.left_behind))
+        self.timeouts += 1
         self.replay.died(phase.split(" ")[0], text, evidence)
         if not self._rerun():
             self._ended()

@@ -36,6 +36,23 @@ def device_runtime() -> str:
     return ""
 
 
+def peak_device_memory() -> int | None:
+    """Peak device memory torch reserved in this process, in bytes (None: no CUDA in use).
+
+    Asked of torch only if the process already imported it and initialized CUDA: the
+    figure is torch's caching allocator's (reserved memory), without the CUDA context.
+    """
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is None:
+        return None
+    try:
+        if not cuda.is_initialized():
+            return None
+        return sum(int(cuda.max_memory_reserved(i)) for i in range(cuda.device_count()))
+    except Exception:  # noqa: BLE001 - a figure for a summary is never worth a failure
+        return None
+
+
 def cuda_driver_initialized() -> bool:
     """Whether cuInit ran in this process, asked of the driver without initializing it.
 

@@ -126,6 +126,9 @@ class Done:
     #: What reached the child's terminal after its last report (see ``Report``): its
     #: pytest's lines (``--setup-show``, live logs) and output that bypassed capture.
     terminal: str = ""
+    #: Peak device memory of the test's process in bytes (torch's caching allocator,
+    #: reserved, on all its devices), when torch had initialized CUDA in it; else None.
+    peak_device_bytes: int | None = None
 
 
 @dataclass(frozen=True)

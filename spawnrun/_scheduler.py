@@ -87,6 +87,13 @@ class Scheduler:
         self.long_settles: list[tuple[str, float]] = []
         self.boot_times: list[float] = []
         self.replans = 0
+        #: For the run summary (jobs that finished): tests, children, ends, memory.
+        self.isolated = 0
+        self.children = 0
+        self.crashes = 0
+        self.timeouts = 0
+        self.reaped = 0
+        self.peaks: list[tuple[int, str, list[str]]] = []
         #: Since when each device has been seen free (for the replan rule).
         self.free_since: dict[str, float] = {}
 
@@ -275,6 +282,7 @@ class Scheduler:
     def _finished(self, job: Job) -> None:
         # A job that finished before its turn stays in ``ahead``: its turn replays it.
         self.jobs.remove(job)
+        self._count(job)
         held, job.held = job.held, []
         if held:
             self.allocator.give_back(held)
@@ -343,17 +351,46 @@ class Scheduler:
 
     # Summary -------------------------------------------------------------------------
 
-    def boot_summary(self) -> str:
-        if not self.boot_times:
-            return ""
-        times = sorted(self.boot_times)
-        text = (
-            f"{len(times)} children booted, median {statistics.median(times):.2f}s, "
-            f"slowest {times[-1]:.2f}s"
-        )
+    def _count(self, job: Job) -> None:
+        self.children += job.children_started
+        if not job.turned:
+            return  # booted ahead for a test that did not run (-x, an interrupt)
+        self.isolated += 1
+        self.crashes += job.crashes
+        self.timeouts += job.timeouts
+        self.reaped += job.reaped_count
+        if job.peak_device_bytes is not None:
+            self.peaks.append((job.peak_device_bytes, job.item.nodeid, job.devices))
+
+    def summary(self, peaks_shown: int = 10) -> list[str]:
+        """The run summary's lines ([] when nothing was spawned)."""
+        if not self.isolated:
+            return []
+        first = f"{self.isolated} tests isolated in {self.children} children"
+        if self.boot_times:
+            times = sorted(self.boot_times)
+            first += f"; boot median {statistics.median(times):.2f}s, slowest {times[-1]:.2f}s"
         if self.replans:
-            text += f"; {self.replans} replanned onto other devices"
-        return text
+            first += f"; {self.replans} replanned onto other devices"
+        lines = [first]
+        ends = []
+        if self.crashes:
+            ends.append(f"{self.crashes} crashed")
+        if self.timeouts:
+            ends.append(f"{self.timeouts} timed out")
+        if self.reaped:
+            ends.append(f"{self.reaped} process(es) left behind were reaped")
+        if ends:
+            lines.append(", ".join(ends))
+        if self.peaks:
+            lines.append("peak GPU memory per test (torch's caching allocator, reserved):")
+            ranked = sorted(self.peaks, key=lambda p: (-p[0], p[1]))
+            for size, nodeid, devices in ranked[:peaks_shown]:
+                where = f"  [gpu {','.join(devices)}]" if devices else ""
+                lines.append(f"  {size / 2**20:.1f} MiB  {nodeid}{where}")
+            if len(ranked) > peaks_shown:
+                lines.append(f"  ... and {len(ranked) - peaks_shown} more (junitxml has all)")
+        return lines
 
 
 def _sleep(timeout: float | None) -> list[Any]:

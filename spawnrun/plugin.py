@@ -350,9 +350,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 @pytest.hookimpl
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     scheduler = terminalreporter.config.stash.get(SCHEDULER_KEY, None)
-    if scheduler is not None and scheduler.boot_times:
+    lines = scheduler.summary() if scheduler is not None else []
+    if lines:
         terminalreporter.write_sep("-", "spawnrun")
-        terminalreporter.write_line(scheduler.boot_summary())
+        for line in lines:
+            terminalreporter.write_line(line)
     if scheduler is not None and scheduler.long_settles:
         terminalreporter.section("spawnrun: waits for device memory")
         for nodeid, seconds in scheduler.long_settles:

@@ -77,6 +77,7 @@ FAKE_TORCH = {
         "def _lazy_init():\n    global _init\n    _init = True\n"
         "def device_count():\n    return 1\n"
         "def memory_reserved(i):\n    return 3 * 2**20\n"
+        "def max_memory_reserved(i):\n    return 5 * 2**20\n"
         "def zeros(n):\n    _lazy_init()\n    return [0] * n\n"
     ),
 }

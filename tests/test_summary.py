@@ -1,0 +1,69 @@
+"""The run summary a person reads: what was isolated, what crashed, booted, reaped, used."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+SUITE = """
+import os, signal, subprocess, sys, time, pytest
+
+@pytest.mark.gpu
+def test_uses_cuda():
+    import torch
+    torch.cuda.zeros(1)  # the fake torch's CUDA "initializes"
+
+@pytest.mark.gpu
+def test_no_cuda():
+    pass
+
+@pytest.mark.gpu(count=0)
+def test_crashes():
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+@pytest.mark.gpu(count=0, timeout=1)
+def test_hangs():
+    time.sleep(30)
+
+@pytest.mark.gpu(count=0)
+def test_leaves_a_process():
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+def test_in_process():
+    pass
+"""
+
+
+def test_summary_and_junitxml_say_what_spawnrun_did(pytester, fake_torch):
+    pytester.makepyfile(test_s=SUITE)
+    xml = pytester.path / "out.xml"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--junitxml={xml}")
+    result.assert_outcomes(passed=4, failed=2, warnings=1)  # the reaping warning
+    result.stdout.fnmatch_lines(
+        [
+            "*- spawnrun -*",
+            "5 tests isolated in 5 children; boot median *s, slowest *s",
+            "1 crashed, 1 timed out, 1 process(es) left behind were reaped",
+            "peak GPU memory per test (torch's caching allocator, reserved):",
+            "  5.0 MiB  test_s.py::test_uses_cuda*",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*MiB  test_s.py::test_no_cuda*")
+    cases = {c.get("name"): c for c in ET.parse(xml).getroot().iter("testcase")}
+
+    def props(name: str) -> dict[str, str]:
+        found = cases[name].find("properties")
+        return {} if found is None else {p.get("name"): p.get("value") for p in found}
+
+    assert float(props("test_uses_cuda")["spawnrun_boot_s"]) > 0
+    assert float(props("test_uses_cuda")["spawnrun_peak_gpu_mib"]) == 5.0
+    assert "spawnrun_peak_gpu_mib" not in props("test_no_cuda")
+    assert float(props("test_crashes")["spawnrun_boot_s"]) > 0
+    assert props("test_in_process") == {}
+
+
+def test_no_summary_when_nothing_was_spawned(pytester):
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("*spawnrun -*")
+    result.stdout.no_fnmatch_line("*isolated*")
