@@ -13,6 +13,10 @@ import pytest
 
 import spawnrun
 
+#: The model examples have their own dependencies, pytest.ini and README: run them as
+#: `pytest examples/models`, not as part of this demo.
+collect_ignore = ["models"]
+
 #: Holds the pytest parent's pid; spawned children inherit it through the environment.
 PARENT_PID_ENV = "SPAWNRUN_EXAMPLES_PARENT_PID"
 
