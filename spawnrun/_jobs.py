@@ -55,9 +55,12 @@ ZYGOTE_KEY = pytest.StashKey[_forkserver.ZygoteHolder]()
 BOOT_LIMIT = 600.0
 #: How long faulthandler gets to write the stacks of a timed-out child.
 DUMP_LIMIT = 2.0
-#: After "done", how long a child may take to exit before what it left behind is ended,
-#: and after that, before the child itself is killed.
-EXIT_GRACE = 5.0
+#: After "done", how long a child may take to exit before what it left behind is ended
+#: (a library's own shutdown runs in its exit: vLLM stops its engine processes in about
+#: 5 s, and ending them under it leaks their shared memory), and before the child itself
+#: is killed.
+EXIT_GRACE = 15.0
+EXIT_KILL = 20.0
 #: Processes left behind get this long between SIGTERM and SIGKILL.
 REAP_GRACE = 2.0
 #: How long processes on their way out get before they count as left behind.
@@ -418,9 +421,9 @@ class Job:
         """After "done": the child should be on its way out; help it if it is stuck."""
         assert self.child is not None
         waited = now - self.since
-        if waited >= 2 * EXIT_GRACE:
+        if waited >= EXIT_KILL:
             if not self.stuck:
-                self.stuck = _reports.STUCK_EXIT.format(s=2 * EXIT_GRACE)
+                self.stuck = _reports.STUCK_EXIT.format(s=EXIT_KILL)
             self.child.kill()
         elif waited >= EXIT_GRACE and not self.left_behind:
             # multiprocessing joins non-daemonic children at exit: a child may be
@@ -428,7 +431,7 @@ class Job:
             self.left_behind = self.child.others()
             self.reaped_count += len(self.left_behind)
             _runner.signal_pids(self.left_behind, signal.SIGTERM)
-        self.deadline = self.since + 2 * EXIT_GRACE if waited < 2 * EXIT_GRACE else now + 1.0
+        self.deadline = self.since + EXIT_KILL if waited < EXIT_KILL else now + 1.0
 
     def _poll_reap(self, now: float) -> None:
         """The child is gone; end what its test left in its group or session."""

@@ -47,6 +47,7 @@ from spawnrun import _forkserver
 from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _runner
+from spawnrun._jobs import EXIT_KILL
 from spawnrun._jobs import IN_SLOT
 from spawnrun._jobs import LISTENING
 from spawnrun._jobs import Job
@@ -326,7 +327,7 @@ class Scheduler:
             job.abort(STOPPED)
         self._after_events()
 
-    def finish(self, limit: float = 15.0) -> None:
+    def finish(self, limit: float = EXIT_KILL + 5.0) -> None:
         """Session end: wait (bounded) for every child to be gone and reaped."""
         end = time.monotonic() + limit
         while (self.jobs or self.graveyard) and time.monotonic() < end:

@@ -451,7 +451,9 @@ def test_a_stuck_exit_does_not_delay_another_childs_timeout(pytester):
     result.assert_outcomes(passed=1, failed=1, warnings=1)
     result.stdout.no_fnmatch_line(NO_INTERNAL)
     result.stdout.fnmatch_lines(["*Timeout (>2 s) during call*", f"*{_reports.STUCK_EXIT[:40]}*"])
-    assert wall < 25, wall  # the stuck exit is ended in the background (~10 s), not waited on
+    # The stuck exit is ended in the background (at 20 s), not waited on by test_hangs;
+    # the session's end waits for it.
+    assert wall < 40, wall
 
 
 def test_timeout_counts_from_the_go_not_the_boot(pytester):

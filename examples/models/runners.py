@@ -11,9 +11,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-# vLLM on a CPU: its engine binds to this host; the KV cache is sized from this (GiB).
+# vLLM's engine talks to its processes on this host.
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def device() -> str:
@@ -63,7 +62,11 @@ class VllmRunner:
             "dtype": "float32",
             "enforce_eager": True,
             "max_model_len": 256,
+            "max_num_seqs": 4,
             "seed": 0,
+            # A fixed KV cache: on a CPU vLLM otherwise sizes it from the NUMA node's
+            # free memory (gpu_memory_utilization), which a small machine may not have.
+            "kv_cache_memory_bytes": 64 * 2**20,
         }
         options.update(kwargs)
         self.llm = LLM(model=str(model), **options)
