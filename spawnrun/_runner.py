@@ -51,6 +51,13 @@ _CHILD_OVERRIDES: dict[str, Any] = {
     "maxprocesses": None,
     "dist": "no",
     "looponfail": False,
+    # pytest-split: the parent picked this shard's tests; a child that split its own
+    # collection (one file) again would miss tests of its shard and fall back to a
+    # second boot, and each child would rewrite the durations file the parent writes.
+    "splits": None,
+    "group": None,
+    "store_durations": False,
+    "clean_durations": False,
 }
 #: Given to the child as arguments instead of through the option namespace.
 _NOT_FORWARDED = ("file_or_dir", "plugins")
