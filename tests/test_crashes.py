@@ -490,3 +490,42 @@ def test_children_die_with_a_killed_parent(pytester):
             break
         time.sleep(0.1)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+
+
+def test_a_librarys_own_shutdown_at_exit_is_let_finish(pytester):
+    # An engine process the test started is stopped by its library's atexit handler,
+    # which takes a few seconds (vLLM's takes about 5 s); ended under it, the engine
+    # would leak the shared memory it registered ("resource_tracker: ... leaked").
+    pytester.makepyfile(
+        """
+        import atexit, time
+        import multiprocessing as mp
+        from multiprocessing import shared_memory
+        import pytest
+
+        def engine(stop):
+            shm = shared_memory.SharedMemory(create=True, size=1024)
+            stop.wait()
+            time.sleep(7)  # an orderly shutdown
+            shm.close()
+            shm.unlink()
+
+        @pytest.mark.gpu(count=0)
+        def test_starts_an_engine():
+            ctx = mp.get_context("spawn")
+            stop = ctx.Event()
+            proc = ctx.Process(target=engine, args=(stop,))
+            proc.start()
+
+            def shutdown():
+                stop.set()
+                proc.join()
+
+            atexit.register(shutdown)
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-W", "default")
+    result.assert_outcomes(passed=1)
+    said = result.stdout.str() + result.stderr.str()
+    assert "leaked" not in said
+    assert "reaped" not in said
