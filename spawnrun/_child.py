@@ -30,6 +30,7 @@ from typing import NoReturn
 
 import pytest
 
+from spawnrun import _coverage
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 
@@ -48,7 +49,9 @@ _EARLY_TAIL = 8000
 SECTION_LIMIT = 256 * 1024
 
 
-def main(spec: proto.ChildSpec, conn: Connection) -> NoReturn:
+def main(spec: proto.ChildSpec, conn: Connection, forked: bool = False) -> NoReturn:
+    # Measured from the start, before the suite's conftests and modules are imported.
+    _coverage.start(spec.coverage, forked)
     relay = isolate(spec, conn)
     os.chdir(spec.invocation_dir)
     try:
@@ -88,8 +91,10 @@ def leave(code: int) -> NoReturn:
     After "done" nothing the test can see is left to do, but its exit work still is:
     executors shut down and non-daemon threads are joined (``threading``'s exit hook),
     ``atexit`` handlers run (multiprocessing's finalizers, which unlink semaphores and
-    join child processes; coverage's save). Module teardown and the final garbage
-    collection are skipped (``os._exit``): with torch loaded they cost ~0.3 s per child.
+    join child processes; coverage's save where the user's configuration started it),
+    and a coverage measurement started for the child (``_coverage``) is saved. Module
+    teardown and the final garbage collection are skipped (``os._exit``): with torch
+    loaded they cost ~0.3 s per child.
     A child stuck here (a leaked thread that never ends) is the parent's to end, off the
     critical path. Forked children leave this way too, never through the template's code.
     """
@@ -97,6 +102,8 @@ def leave(code: int) -> NoReturn:
         # threading offers no public "run the exit hooks"; this is what the interpreter
         # itself calls at shutdown, before atexit.
         threading._shutdown()  # type: ignore[attr-defined]
+        # Before atexit: coverage's own exit handler closes the data files.
+        _coverage.save()
         atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001 - nothing may keep the process alive
         code = code or 70

@@ -38,6 +38,7 @@ from typing import Any
 import pytest
 
 from spawnrun import CHILD_ENV
+from spawnrun import _coverage
 from spawnrun import _devices
 from spawnrun import _forkserver
 from spawnrun import _protocol as proto
@@ -552,6 +553,7 @@ def _start(
         late_options=late,
         executions=executions,
         junit_family=_junit_family(config),
+        coverage=_coverage.parent_config(),
     )
     holder = config.stash.get(ZYGOTE_KEY, None)
     if holder is not None:

@@ -50,6 +50,9 @@ class ChildSpec:
     #: The junit family of the junitxml file the parent writes ("": none), for the
     #: fixtures that feed it from the child.
     junit_family: str = ""
+    #: The configuration of the parent's coverage, serialized ("": not measured): the
+    #: child measures itself with it (``_coverage``).
+    coverage: str = ""
     protocol: int = PROTOCOL_VERSION
 
 

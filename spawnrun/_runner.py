@@ -58,6 +58,10 @@ _CHILD_OVERRIDES: dict[str, Any] = {
     "group": None,
     "store_durations": False,
     "clean_durations": False,
+    # pytest-cov's controller is the parent's: in a child it would erase, combine and
+    # rewrite the parent's data file while the parent writes it. The child's measurement
+    # is spawnrun's (_coverage).
+    "no_cov": True,
 }
 #: Given to the child as arguments instead of through the option namespace.
 _NOT_FORWARDED = ("file_or_dir", "plugins")

@@ -210,7 +210,7 @@ def _forked_child(
         for name in request.unset:
             os.environ.pop(name, None)
         os.environ.update(request.env)
-        _child.main(request.spec, Connection(fd))
+        _child.main(request.spec, Connection(fd), forked=True)
     finally:
         # Never run the template's code again, whatever happened.
         os._exit(70)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from spawnrun import _child
+from spawnrun import _coverage
 from spawnrun import _cudawatch
 from spawnrun import _devices
 from spawnrun import _forkserver
@@ -321,6 +322,10 @@ class _AfterEachTest:
         elif nextitem is None:
             # The last test: wait for all children now, so the exit status counts them.
             scheduler.drain()
+            if _coverage.parent_config():
+                # And for them to be gone: their coverage data is saved as they leave,
+                # and pytest-cov combines it when the run loop ends (before sessionfinish).
+                scheduler.finish()
         return result
 
 
