@@ -63,7 +63,7 @@ def check(config: pytest.Config) -> None:
         return
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     _warned = True
-    filename, lineno = "<unknown>", 0
+    filename, lineno = "", 0  # unknown: the warning points at spawnrun's own code
     if _origin:
         filename, lineno, func = _origin[0]
         where = f"{filename}:{lineno} in {func}"

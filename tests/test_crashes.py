@@ -326,6 +326,17 @@ def test_warns_when_cuda_was_initialized_in_parent(pytester, fake_torch):
     )
 
 
+def test_cuda_in_the_parent_before_spawnrun_watched_has_a_real_location(pytester, fake_torch):
+    # A conftest that initializes CUDA at import: spawnrun cannot name the line, and
+    # says so from its own code, never "<unknown>:0".
+    pytester.makeconftest("import torch\nBUFFER = torch.cuda.zeros(4)\n")
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(["*spawnrun/_cudawatch.py:*: SpawnrunWarning: *before spawnrun*"])
+    result.stdout.no_fnmatch_line("*<unknown>*")
+
+
 FAKE_NVML = """
 import json, os, time
 STATE = os path placeholder
