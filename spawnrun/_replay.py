@@ -283,11 +283,20 @@ def parent_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> pytest.T
     return report
 
 
-def _xml_attributes(item: pytest.Item, attributes: list[tuple[str, str]]) -> None:
-    """Give junitxml the ``record_xml_attribute`` calls made in a child (see below)."""
+def _junitxml(config: pytest.Config) -> Any:
+    """The parent's junitxml writer, or None without ``--junitxml``.
+
+    junitxml keeps it under a stash key that pytest does not export. Without it, what a
+    child recorded for junitxml has nowhere to go, as in-process.
+    """
     from _pytest.junitxml import xml_key
 
-    xml = item.config.stash.get(xml_key, None)
+    return config.stash.get(xml_key, None)
+
+
+def _xml_attributes(item: pytest.Item, attributes: list[tuple[str, str]]) -> None:
+    """Give junitxml the ``record_xml_attribute`` calls made in a child."""
+    xml = _junitxml(item.config)
     if xml is not None:
         reporter = xml.node_reporter(item.nodeid)
         for name, value in attributes:
@@ -295,13 +304,7 @@ def _xml_attributes(item: pytest.Item, attributes: list[tuple[str, str]]) -> Non
 
 
 def suite_property(config: pytest.Config, name: str, value: str) -> None:
-    """Give junitxml a ``record_testsuite_property`` call made in a child.
-
-    junitxml keeps its writer under a stash key that pytest does not export; without it
-    (no ``--junitxml``) the property has nowhere to go, as in-process.
-    """
-    from _pytest.junitxml import xml_key
-
-    xml = config.stash.get(xml_key, None)
+    """Give junitxml a ``record_testsuite_property`` call made in a child."""
+    xml = _junitxml(config)
     if xml is not None:
         xml.add_global_property(name, value)
