@@ -1,7 +1,7 @@
 """``spawnrun.call``'s child: isolate, run the function, send back what came of it.
 
-Runs in the child only; imports neither pytest nor torch (nor anything of spawnrun's
-parent side), so the child boots with only what the function itself needs.
+Runs in the child only; imports neither pytest nor torch (of spawnrun, only the
+stdlib-only ``_probe``), so the child boots with only what the function itself needs.
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import types
 from multiprocessing.connection import Connection
 from typing import Any
 
-#: prctl's option: the signal this process gets when its parent ends (Linux).
-_PR_SET_PDEATHSIG = 1
+from spawnrun import _probe
 
 
 def main(payload: bytes, conn: Connection, workdir: str) -> None:
@@ -26,7 +25,7 @@ def main(payload: bytes, conn: Connection, workdir: str) -> None:
     Returning lets multiprocessing end the interpreter the normal way, so the function's
     libraries get their exit work (threads joined, ``atexit`` handlers).
     """
-    _die_with_caller()
+    _probe.die_with_parent()
     # Own session: the caller can kill everything the function started with one signal.
     os.setsid()
     # Processes the function starts (os.system, posix_spawn) must not hold the answer
@@ -94,17 +93,3 @@ def _raised(exc: BaseException) -> tuple[Any, ...]:
         message = "<str() failed>"
     kind = type(exc)
     return ("raised", data, f"{kind.__module__}.{kind.__qualname__}", message, text)
-
-
-def _die_with_caller() -> None:
-    """Be killed when the caller ends, even by SIGKILL (as ``_child.die_with_parent``;
-    not imported from there, since ``_child`` imports pytest)."""
-    parent = os.getppid()
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return  # not Linux
-    if parent == 1 or os.getppid() != parent:
-        os._exit(70)  # the caller ended before the request took effect

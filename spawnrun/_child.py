@@ -119,7 +119,7 @@ def isolate(spec: proto.ChildSpec, conn: Connection) -> _Relay:
     """Make this process a test's own: session, output, crash stacks, capture buffers."""
     global ACTIVE
     ACTIVE = True
-    die_with_parent()
+    _probe.die_with_parent()
     # Own session and process group: the parent can kill everything the test
     # started with one killpg, and a Ctrl-C at the terminal reaches only the parent.
     os.setsid()
@@ -155,28 +155,6 @@ def _refuse_debuggers() -> None:
 
         sys.breakpointhook = refuse
         pdb.set_trace = refuse
-
-
-#: prctl's option: the signal this process gets when its parent ends (Linux).
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent() -> None:
-    """Be killed when the parent ends, even by SIGKILL (a CI runner's hard stop).
-
-    Otherwise a hung child would be reparented to init and hold its GPU forever, its
-    timeout gone with the parent. Processes the test started are out of this reach.
-    """
-    parent = os.getppid()
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return  # not Linux: the parent's own cleanup is all there is
-    if parent == 1 or os.getppid() != parent:
-        os._exit(70)  # the parent ended before the request took effect
 
 
 def _name_capture_files(directory: str) -> None:

@@ -1,8 +1,10 @@
-"""Questions a process asks about itself: is a device runtime up, which threads run.
+"""Questions a process asks about itself (is a device runtime up, which threads run),
+and the one thing every child arranges for itself (to die with its parent).
 
-Runs in the parent, in children and in the zygote's template. Imports nothing from
-spawnrun and never imports torch or loads a driver: it only looks at what is already
-loaded (``sys.modules``, ``/proc/self/maps``, ``/proc/self/task``).
+Runs in the parent, in children (test children and ``spawnrun.call``'s) and in the
+zygote's template. Imports nothing from spawnrun and never imports torch or loads a
+driver: it only looks at what is already loaded (``sys.modules``, ``/proc/self/maps``,
+``/proc/self/task``).
 """
 
 from __future__ import annotations
@@ -10,8 +12,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
 import sys
 
+#: prctl's option: the signal this process gets when its parent ends (Linux).
+_PR_SET_PDEATHSIG = 1
 #: cuDeviceGetCount's answer before cuInit: the driver is loaded but not initialized.
 _CUDA_ERROR_NOT_INITIALIZED = 3
 
@@ -101,3 +106,19 @@ def other_threads() -> list[str]:
             except OSError:
                 continue  # it just ended
     return names
+
+
+def die_with_parent() -> None:
+    """Be killed when the parent ends, even by SIGKILL (a CI runner's hard stop).
+
+    Otherwise a hung child would be reparented to init and hold its GPU forever, its
+    timeout gone with the parent. Processes the child started are out of this reach.
+    """
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return  # not Linux: the parent's own cleanup is all there is
+    if parent == 1 or os.getppid() != parent:
+        os._exit(70)  # the parent ended before the request took effect

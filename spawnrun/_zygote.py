@@ -38,7 +38,7 @@ from spawnrun import _protocol as proto
 
 def main(spec: proto.ZygoteSpec, conn: Connection) -> None:
     _child.ACTIVE = True
-    _child.die_with_parent()  # and its children with it, through theirs
+    _probe.die_with_parent()  # and its children with it, through theirs
     os.setsid()
     fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
