@@ -97,8 +97,9 @@ class Zygote:
             live = spec.log_path is None
             self.conn.send(proto.ForkRequest(spec, {**os.environ, **env}, unset, live))
             reduction.send_handle(self.conn, child_conn.fileno(), self.pid)
-            for stream in (1, 2):
-                reduction.send_handle(self.conn, stream, self.pid)
+            if live:  # with -s the child writes where the parent does
+                for stream in (1, 2):
+                    reduction.send_handle(self.conn, stream, self.pid)
             child_conn.close()
             reply = self._next(FORK_LIMIT)
         except (OSError, EOFError) as exc:

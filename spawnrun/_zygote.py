@@ -167,11 +167,9 @@ class _Template:
             elif isinstance(request, proto.ForkRequest):
                 fd = reduction.recv_handle(self.conn)
                 # With -s the child writes where the parent does, not to our log.
-                streams = [reduction.recv_handle(self.conn) for _ in range(2)]
-                self._fork(request, fd, streams if request.live else [])
-                if not request.live:
-                    for stream in streams:
-                        os.close(stream)
+                count = 2 if request.live else 0
+                streams = [reduction.recv_handle(self.conn) for _ in range(count)]
+                self._fork(request, fd, streams)
 
     def _reap(self, pidfd: int) -> None:
         pid = self.children.pop(pidfd)
