@@ -32,6 +32,7 @@ import pickle
 import signal
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from itertools import count
 from typing import Any
 
@@ -47,8 +48,33 @@ from spawnrun import _reports
 from spawnrun import _runner
 
 _serial = count(1)
-#: The parent's forwarded options, computed once per run.
-OPTIONS_KEY = pytest.StashKey[tuple[dict[str, Any], dict[str, bytes]]]()
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every child of the run gets from the parent, worked out once (session start)."""
+
+    options: dict[str, Any]
+    late_options: dict[str, bytes]
+    plugin_args: list[str]
+    workerinput: dict[str, Any] | None
+    junit_family: str
+    coverage: str
+
+
+def shared(config: pytest.Config) -> Shared:
+    options, late = _runner.forwarded_options(config)
+    return Shared(
+        options=options,
+        late_options=late,
+        plugin_args=_runner.plugin_args(config),
+        workerinput=_workerinput(config),
+        junit_family=_junit_family(config),
+        coverage=_coverage.parent_config(),
+    )
+
+
+SHARED_KEY = pytest.StashKey[Shared]()
 #: Set with --spawn-method forkserver.
 ZYGOTE_KEY = pytest.StashKey[_forkserver.ZygoteHolder]()
 
@@ -537,23 +563,22 @@ def _start(
     config = item.config
     workdir = _runner.child_dir(config, item.nodeid, next(_serial))
     workdir.mkdir(parents=True, exist_ok=True)
-    plain, late = config.stash[OPTIONS_KEY]
-    options = dict(plain, basetemp=str(workdir / "tmp"))
+    run = config.stash[SHARED_KEY]
     live = config.getoption("capture") == "no"
     spec = proto.ChildSpec(
         nodeid=item.nodeid,
         args=args,
-        plugin_args=_runner.plugin_args(config),
-        option_dict=options,
+        plugin_args=run.plugin_args,
+        option_dict=dict(run.options, basetemp=str(workdir / "tmp")),
         invocation_dir=str(config.invocation_params.dir),
         log_path=None if live else str(workdir / "output.log"),
         stacks_path=str(workdir / "stacks.txt"),
         fingerprint=proto.fingerprint(item),
-        workerinput=_workerinput(config),
-        late_options=late,
+        workerinput=run.workerinput,
+        late_options=run.late_options,
         executions=executions,
-        junit_family=_junit_family(config),
-        coverage=_coverage.parent_config(),
+        junit_family=run.junit_family,
+        coverage=run.coverage,
     )
     holder = config.stash.get(ZYGOTE_KEY, None)
     if holder is not None:

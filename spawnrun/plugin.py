@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from spawnrun import _child
-from spawnrun import _coverage
 from spawnrun import _cudawatch
 from spawnrun import _devices
 from spawnrun import _forkserver
@@ -154,8 +153,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     config = session.config
     if SETTINGS_KEY not in config.stash:
         return
-    # Once, when every plugin has configured itself: all children get these options.
-    config.stash[_jobs.OPTIONS_KEY] = _runner.forwarded_options(config)
+    # Once, when every plugin has configured itself (and coverage, if any, runs): all
+    # children get these options.
+    config.stash[_jobs.SHARED_KEY] = _jobs.shared(config)
     holder = config.stash.get(_jobs.ZYGOTE_KEY, None)
     if holder is not None:
         holder.start(config)
@@ -322,7 +322,7 @@ class _AfterEachTest:
         elif nextitem is None:
             # The last test: wait for all children now, so the exit status counts them.
             scheduler.drain()
-            if _coverage.parent_config():
+            if item.config.stash[_jobs.SHARED_KEY].coverage:
                 # And for them to be gone: their coverage data is saved as they leave,
                 # and pytest-cov combines it when the run loop ends (before sessionfinish).
                 scheduler.finish()
