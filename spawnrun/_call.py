@@ -301,13 +301,10 @@ def _failure(name: str, limit: float | None, code: int | None, workdir: str) -> 
 
 
 def _death(code: int | None) -> str:
-    if code is None or code >= 0:
-        return f"exited with status {code}"
-    try:
-        sig = signal.Signals(-code).name
-    except ValueError:
-        sig = "unknown signal"
-    return f"was killed by signal {sig} ({-code})"
+    from spawnrun._reports import killed_by
+
+    killed = killed_by(code)
+    return f"was {killed}" if killed else f"exited with status {code}"
 
 
 def _replay_output(workdir: str) -> None:

@@ -80,15 +80,22 @@ def make(
     )
 
 
+def killed_by(code: int | None) -> str:
+    """The cause 'killed by signal NAME (N)' for an exit code -N; "" for any other."""
+    if code is None or code >= 0:
+        return ""
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = "unknown signal"
+    return f"killed by signal {name} ({-code})"
+
+
 def death_text(nodeid: str, phase: str, code: int | None) -> str:
     """What killed a child: the signal (with the OOM hint for SIGKILL) or exit status."""
-    if code is not None and code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = "unknown signal"
-        cause = f"killed by signal {name} ({-code})"
-        if -code == signal.SIGKILL:
+    cause = killed_by(code)
+    if cause:
+        if code == -signal.SIGKILL:
             cause += "; the kernel's out-of-memory killer is a common cause"
     elif code is None:
         cause = "ended with an unknown status before reporting the end of the test"
