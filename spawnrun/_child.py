@@ -30,6 +30,7 @@ from typing import NoReturn
 
 import pytest
 
+from spawnrun import _budget
 from spawnrun import _coverage
 from spawnrun import _probe
 from spawnrun import _protocol as proto
@@ -52,6 +53,8 @@ SECTION_LIMIT = 256 * 1024
 def main(spec: proto.ChildSpec, conn: Connection, forked: bool = False) -> NoReturn:
     # Measured from the start, before the suite's conftests and modules are imported.
     _coverage.start(spec.coverage, forked)
+    # Before any of the suite's code: its budget caps torch when its CUDA comes up.
+    _budget.install()
     relay = isolate(spec, conn)
     os.chdir(spec.invocation_dir)
     try:
@@ -287,9 +290,12 @@ class _Relay:
         try:
             if not self.done:
                 self.done = True
-                self.send(
-                    proto.Done(self.notes, self._terminal_since(), _probe.peak_device_memory())
-                )
+                peak = _probe.peak_device_memory()
+                per_device = _budget.peak_per_device()
+                # The test is over: give the device back before the session's end, so
+                # the next test on it waits only for memory that is really still held.
+                _probe.release_devices()
+                self.send(proto.Done(self.notes, self._terminal_since(), peak, per_device))
                 if self.sink is not None:
                     self.sink.to_own()  # the session's end is no part of the test
             elif self.notes:
@@ -408,9 +414,13 @@ class _Relay:
         self.send(proto.Phase(when))
 
     @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: Any) -> Any:
+    def pytest_runtest_makereport(self, item: Any, call: Any) -> Any:
         report = yield
         if item.nodeid == self.spec.nodeid:
+            if report.failed:
+                note = _budget.out_of_memory_note(call.excinfo)
+                if note:
+                    report.sections.append((_budget.SECTION, note))
             self.made[report.when] = report
         return report
 

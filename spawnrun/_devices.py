@@ -16,8 +16,11 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from spawnrun import _packing
 
 _nvml: Any = None
 _nvml_failed = False
@@ -41,6 +46,10 @@ def _load() -> Any:
         except Exception:  # noqa: BLE001 - no library, no driver: nothing to wait for
             _nvml_failed = True
     return _nvml
+
+
+def nvml_available() -> bool:
+    return _load() is not None
 
 
 def _handle(nvml: Any, device: str) -> Any:
@@ -69,6 +78,59 @@ def still_held(devices: list[str], pids: set[int]) -> bool | None:
     except Exception:  # noqa: BLE001 - a device NVML cannot see: nothing to wait for
         return None
     return False
+
+
+def total_memory(device: str) -> int | None:
+    """The device's memory in bytes, from NVML (None: NVML cannot tell)."""
+    info = _memory_info(device)
+    return None if info is None else int(info.total)
+
+
+def free_memory(device: str) -> int | None:
+    """The device's free memory in bytes right now, from NVML (None: cannot tell)."""
+    info = _memory_info(device)
+    return None if info is None else int(info.free)
+
+
+def _memory_info(device: str) -> Any:
+    nvml = _load()
+    if nvml is None:
+        return None
+    try:
+        return nvml.nvmlDeviceGetMemoryInfo(_handle(nvml, device))
+    except Exception:  # noqa: BLE001 - a device NVML cannot see (declared, or gone)
+        return None
+
+
+def process_memory(devices: list[str], pids: set[int]) -> int | None:
+    """The most memory ``pids`` hold together on any one of ``devices`` (None: unknown)."""
+    nvml = _load()
+    if nvml is None or not devices or not pids:
+        return None
+    most = 0
+    try:
+        for device in devices:
+            handle = _handle(nvml, device)
+            used = 0
+            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if proc.pid in pids and isinstance(proc.usedGpuMemory, int):
+                    used += proc.usedGpuMemory
+            most = max(most, used)
+    except Exception:  # noqa: BLE001 - a figure for learning is never worth a failure
+        return None
+    return most
+
+
+def capacities(ids: tuple[str, ...], declared: int | None) -> dict[str, int | None]:
+    """Each device's memory: NVML's total, at most ``declared`` (--spawn-gpu-memory)."""
+    found: dict[str, int | None] = {}
+    for device in ids:
+        total = total_memory(device)
+        if total is None:
+            found[device] = declared
+        else:
+            found[device] = total if declared is None else min(total, declared)
+    return found
 
 
 # Inventory ---------------------------------------------------------------------------
@@ -187,79 +249,156 @@ def least_loaded(ids: tuple[str, ...], load: Mapping[str, int], count: int) -> l
 
 
 class Allocator:
-    """Which devices are held right now, in one process: pure bookkeeping."""
+    """Which tests hold which devices right now, in one process (``_packing`` decides).
 
-    def __init__(self, ids: tuple[str, ...]) -> None:
+    A claim is a test's need on a device: a memory budget (it may share the device
+    within ``_packing.Pool``'s rules) or ``_packing.ALONE``. ``free_memory`` reads a
+    device's free memory from NVML where it can, so a budget is admitted only where
+    it is really free (other processes use GPUs too).
+    """
+
+    def __init__(
+        self,
+        ids: tuple[str, ...],
+        capacity: Mapping[str, int | None] | None = None,
+        per_gpu: int = 1,
+        free_memory: Callable[[str], int | None] | None = None,
+    ) -> None:
         self.ids = ids
-        self.busy: set[str] = set()
+        self.capacity = dict(capacity or {})
+        self.per_gpu = per_gpu
+        self.free_memory = free_memory or (lambda device: None)
+        self.pool = _packing.Pool(ids, self.capacity, per_gpu)
+
+    @contextlib.contextmanager
+    def _pool(self) -> Iterator[_packing.Pool]:
+        yield self.pool
 
     def free(self) -> list[str]:
         """Devices nobody holds, in inventory order."""
-        return [d for d in self.ids if d not in self.busy]
+        try:
+            with self._pool() as pool:
+                return pool.idle()
+        except TimeoutError:
+            return []  # the ledger is out of reach now: nothing is free
 
-    def take(self, count: int) -> list[str] | None:
-        """Any ``count`` free devices (the first in inventory order), or None."""
-        free = self.free()
-        if count > len(free):
-            return None
-        taken = free[:count]
-        return taken if self.take_exact(taken) else None
+    def take(
+        self, count: int, need: int | None, token: str, among: list[str] | None = None
+    ) -> list[str] | None:
+        """``count`` devices that take ``need`` now (least loaded first), or None."""
+        try:
+            with self._pool() as pool:
+                devices = pool.choose(count, need, self.free_memory, among)
+                if devices is not None:
+                    pool.take(devices, need, token)
+                return devices
+        except TimeoutError:
+            return None  # asked again on the next turn of the loop
 
-    def take_exact(self, ids: list[str]) -> bool:
-        if any(d in self.busy for d in ids):
+    def take_exact(self, ids: list[str], need: int | None, token: str) -> bool:
+        try:
+            with self._pool() as pool:
+                if not all(pool.fits(d, need, self.free_memory(d)) for d in ids):
+                    return False
+                pool.take(ids, need, token)
+                return True
+        except TimeoutError:
             return False
-        self.busy.update(ids)
-        return True
 
-    def give_back(self, ids: list[str]) -> None:
-        self.busy.difference_update(ids)
+    def give_back(self, ids: list[str], token: str) -> None:
+        # A ledger out of reach keeps the claim only while this process lives.
+        with contextlib.suppress(TimeoutError), self._pool() as pool:
+            pool.give_back(ids, token)
 
 
 class Ledger(Allocator):
     """Devices shared by the processes of one run (pytest-xdist workers).
 
-    A JSON file ``{device id: owner pid}`` in a run-unique directory, read and written
-    under an exclusive ``flock``. An entry whose owner is no longer alive is free, so a
-    worker that dies cannot keep its devices.
+    A JSON file ``{device id: [[owner pid, need, token], ...]}`` in the run's private
+    directory (``private_dir``), read and written under an exclusive ``flock`` that is
+    waited for a bounded time. A claim whose owner is no longer alive is dropped, so a
+    worker that dies cannot keep its devices. Files are opened without following
+    symbolic links.
     """
 
-    def __init__(self, ids: tuple[str, ...], directory: Path) -> None:
-        super().__init__(ids)
-        directory.mkdir(parents=True, exist_ok=True)
+    def __init__(
+        self,
+        ids: tuple[str, ...],
+        directory: Path,
+        capacity: Mapping[str, int | None] | None = None,
+        per_gpu: int = 1,
+        free_memory: Callable[[str], int | None] | None = None,
+    ) -> None:
+        super().__init__(ids, capacity, per_gpu, free_memory)
+        check_private(directory)
         self.path = directory / "ledger.json"
         self.lock_path = directory / "ledger.lock"
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[dict[str, int]]:
-        with open(self.lock_path, "a+") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    def _pool(self) -> Iterator[_packing.Pool]:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            _lock(fd, LOCK_WAIT)
             try:
-                try:
-                    owners = json.loads(self.path.read_text())
-                except (OSError, ValueError):
-                    owners = {}
-                owners = {d: p for d, p in owners.items() if _alive(p)}
-                yield owners
-                self.path.write_text(json.dumps(owners))
+                pool = _packing.Pool(self.ids, self.capacity, self.per_gpu)
+                for device, claims in self._read().items():
+                    for pid, need, token in claims:
+                        if _alive(int(pid)):
+                            pool.held(str(device)).append(_packing.Claim(str(token), need))
+                yield pool
+                data = {
+                    d: [[_owner(c.token), c.need, c.token] for c in claims]
+                    for d, claims in pool.claims.items()
+                    if claims
+                }
+                self._write(json.dumps(data))
             finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
-    def free(self) -> list[str]:
-        with self._locked() as owners:
-            return [d for d in self.ids if d not in owners]
+    def _read(self) -> dict[str, list[list[Any]]]:
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return {}
+        with os.fdopen(fd) as f:
+            try:
+                data = json.load(f)
+            except ValueError:
+                return {}
+        return data if isinstance(data, dict) else {}
 
-    def take_exact(self, ids: list[str]) -> bool:
-        with self._locked() as owners:
-            if any(d in owners for d in ids):
-                return False
-            owners.update({d: os.getpid() for d in ids})
-            return True
+    def _write(self, text: str) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        with os.fdopen(os.open(self.path, flags, 0o600), "w") as f:
+            f.write(text)
 
-    def give_back(self, ids: list[str]) -> None:
-        with self._locked() as owners:
-            for d in ids:
-                if owners.get(d) == os.getpid():
-                    del owners[d]
+
+#: How long a worker waits for the ledger's lock (held for microseconds at a time).
+LOCK_WAIT = 30.0
+
+
+def _lock(fd: int, limit: float) -> None:
+    """``flock`` with a bound: a lock nobody gives back is an error, not a hang."""
+    end = time.monotonic() + limit
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= end:
+                raise TimeoutError(f"the device ledger stayed locked for {limit:g} s") from None
+            time.sleep(0.005)
+
+
+def token_for(serial: int) -> str:
+    """A claim's token: this process's pid (the owner) and a serial number."""
+    return f"{os.getpid()}:{serial}"
+
+
+def _owner(token: str) -> int:
+    return int(token.split(":", 1)[0])
 
 
 def _alive(pid: int) -> bool:
@@ -272,15 +411,37 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def allocator_for(ids: tuple[str, ...], environ: Mapping[str, str]) -> Allocator:
-    """One ledger per xdist run (workers share it); a plain allocator otherwise."""
-    uid = environ.get("PYTEST_XDIST_TESTRUNUID")
-    if uid and environ.get("PYTEST_XDIST_WORKER"):
-        return Ledger(ids, ledger_dir(uid))
-    return Allocator(ids)
+def allocator_for(
+    ids: tuple[str, ...],
+    ledger: str | None,
+    capacity: Mapping[str, int | None],
+    per_gpu: int,
+) -> Allocator:
+    """One ledger per xdist run (its workers share it); a plain allocator otherwise."""
+    free = free_memory if _load() is not None else None
+    if ledger:
+        return Ledger(ids, Path(ledger), capacity, per_gpu, free)
+    return Allocator(ids, capacity, per_gpu, free)
 
 
-def ledger_dir(testrunuid: str) -> Path:
-    """The ledger's directory for one xdist run (the controller removes it at the end)."""
-    safe = "".join(c for c in testrunuid if c.isalnum())
-    return Path(tempfile.gettempdir()) / f"spawnrun-devices-{safe}"
+def private_dir() -> Path:
+    """A new directory only this user can enter, for one xdist run's ledger.
+
+    Made by the controller (``mkdtemp``: mode 0700, an unpredictable name) and handed
+    to its workers, so another local user can neither plant files in it nor guess it.
+    """
+    return Path(tempfile.mkdtemp(prefix="spawnrun-devices-"))
+
+
+def check_private(directory: Path) -> None:
+    """Refuse a ledger directory that is a link, is not ours, or others may write."""
+    info = os.lstat(directory)
+    if (
+        not stat.S_ISDIR(info.st_mode)
+        or info.st_uid != os.getuid()
+        or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    ):
+        raise pytest.UsageError(
+            f"spawnrun: the device ledger directory {directory} is not a private directory "
+            "of this user (a link, another owner, or writable by others): refusing it"
+        )

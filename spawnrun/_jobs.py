@@ -42,12 +42,19 @@ from spawnrun import CHILD_ENV
 from spawnrun import _coverage
 from spawnrun import _devices
 from spawnrun import _forkserver
+from spawnrun import _packing
 from spawnrun import _protocol as proto
 from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _runner
+from spawnrun._budget import BUDGET_ENV
+from spawnrun._budget import SOURCE_ENV
 
 _serial = count(1)
+_claims = count(1)
+#: junitxml properties: the budget a test ran with, and the peak it is learned by.
+BUDGET_PROPERTY = "spawnrun_budget_mib"
+LEARNED_PEAK = "spawnrun_device_peak_mib"
 
 
 @dataclass(frozen=True)
@@ -125,16 +132,25 @@ class Job:
     def __init__(
         self,
         item: pytest.Item,
-        timeout: float | None,
+        plan: _packing.Plan,
         devices: list[str],
-        hide_devices: bool,
         settle: float | None,
+        capacity: Mapping[str, int | None] | None = None,
     ) -> None:
         self.item = item
-        self.timeout = timeout
+        self.plan = plan
+        self.timeout = plan.timeout
         self.devices = devices
-        self.hide_devices = hide_devices
         self.settle = settle
+        self.capacity = capacity or {}
+        #: This job's claims in the allocator are made under this token.
+        self.token = _devices.token_for(next(_claims))
+        #: The devices it claimed (its own, or all of them for a --spawn-gpu test).
+        self.claimed: list[str] = []
+        #: Whether another test held one of its devices while it ran.
+        self.shared = False
+        #: NVML no longer lists its processes on its devices: they may be handed on now.
+        self.released = False
         self.replay = _replay.Replay(item)
         self.candidates = _candidate_args(item)
         self.problems: list[str] = []
@@ -187,8 +203,19 @@ class Job:
         env = {CHILD_ENV: "1"}
         if self.devices:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
-        elif self.hide_devices:
+        elif not self.plan.every:
             env["CUDA_VISIBLE_DEVICES"] = ""
+        need = self.plan.need
+        if need is not _packing.ALONE:
+            # Its budget, before any of its code runs: torch gets it at CUDA's init
+            # (``_budget``), JAX reads these itself.
+            env[BUDGET_ENV] = str(need)
+            env[SOURCE_ENV] = self.plan.budget_source
+            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+            sizes = [self.capacity.get(d) for d in self.devices or self.capacity]
+            known = [c for c in sizes if c]
+            if known and len(known) == len(sizes):
+                env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(1.0, need / min(known)):.4f}"
         return env
 
     def start(self) -> None:
@@ -216,6 +243,9 @@ class Job:
         """Devices and a slot are ours: run now if booted, else as soon as booted."""
         if self.devices:
             self.replay.properties.append(("spawnrun_devices", ",".join(self.devices)))
+        if self.plan.need is not _packing.ALONE and self.claimed:
+            mib = round(self.plan.need / 2**20, 1)
+            self.replay.properties.append((BUDGET_PROPERTY, mib))
         if self.state is State.WAITING:
             self._send_go()
         elif self.state is State.AHEAD:
@@ -240,9 +270,9 @@ class Job:
             self.deadline = None
         elif self.state is State.EXITING:
             # The exit itself is an event (the sentinel); the deadline is only for a
-            # child that does not leave.
+            # child that does not leave, and for watching its devices be released.
             self.since = now
-            self.deadline = now + EXIT_GRACE
+            self.deadline = now + (POLL if self._watching_release() else EXIT_GRACE)
         else:
             self.since = now
             self.deadline = now + POLL
@@ -300,11 +330,29 @@ class Job:
         elif isinstance(msg, proto.Done):
             replay.terminal = msg.terminal
             self.peak_device_bytes = msg.peak_device_bytes
+            self._learn(msg.peak_per_device)
             if self.interrupted is None:
                 replay.complete(msg.notes)
             self._ended()
         else:  # the pipe ended before "done": the child died
             self._died()
+
+    def _learn(self, torch_peak: int | None) -> None:
+        """The peak that ``--spawn-pack auto`` budgets this test by next time.
+
+        torch's reserved peak on its fullest device, or what NVML lists for its
+        processes now (its context included, so less the reserve) where that is more
+        (memory held by other libraries). A test that used no device learns 0.
+        """
+        if not self.claimed:
+            return
+        peak = torch_peak or 0
+        assert self.child is not None
+        pids = self.pids | set(_runner.group_members(self.child.pid))
+        held = _devices.process_memory(self.claimed, pids)
+        if held is not None:
+            peak = max(peak, held - _packing.RESERVE)
+        self.replay.properties.append((LEARNED_PEAK, round(peak / 2**20, 1)))
 
     def on_exit(self) -> None:
         """The child's sentinel fired: the process is gone (its code may follow)."""
@@ -444,10 +492,29 @@ class Job:
         self.start()
         return True
 
+    def _watching_release(self) -> bool:
+        """Whether its devices may be handed on before its exit: NVML can tell."""
+        return bool(self.claimed) and not self.released and _devices.nvml_available()
+
+    def _check_release(self) -> None:
+        """The child freed its contexts after its test: hand the devices on once NVML
+        lists none of its processes on them (nor any process of its group)."""
+        assert self.child is not None
+        pids = self.pids | set(self.left_behind) | set(_runner.group_members(self.child.pid))
+        if _devices.still_held(self.claimed, pids) is False:
+            self.released = True
+
     def _poll_exit(self, now: float) -> None:
         """After "done": the child should be on its way out; help it if it is stuck."""
         assert self.child is not None
         waited = now - self.since
+        if self._watching_release():
+            self._check_release()
+        if waited < EXIT_GRACE:
+            self.deadline = min(self.since + EXIT_GRACE, now + POLL)
+            if not self._watching_release():
+                self.deadline = self.since + EXIT_GRACE
+            return
         if waited >= EXIT_KILL:
             if not self.stuck:
                 self.stuck = _reports.STUCK_EXIT.format(s=EXIT_KILL)

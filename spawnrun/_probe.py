@@ -58,6 +58,56 @@ def peak_device_memory() -> int | None:
         return None
 
 
+def release_devices() -> None:
+    """Free this process's CUDA contexts now, before its session ends and it exits.
+
+    Once the test is over nothing in the process needs the device: torch's cached
+    memory is returned, then every primary context the driver holds for the process is
+    reset, so the driver stops listing the process on its devices (the parent's proof
+    that the device is free). Only done where CUDA is already initialized; never
+    loads or initializes a driver. What the session's end might still do with CUDA
+    fails there, after the test's reports.
+    """
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None:
+        with contextlib.suppress(Exception):
+            if cuda.is_initialized():
+                cuda.synchronize()
+                cuda.empty_cache()
+    for lib in _mapped_cuda():
+        with contextlib.suppress(Exception):
+            _reset_primary_contexts(lib)
+
+
+def _mapped_cuda() -> list[ctypes.CDLL]:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcuda.so" in line}
+    except OSError:
+        return []
+    libs = []
+    for path in sorted(paths):
+        with contextlib.suppress(OSError):
+            libs.append(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
+    return libs
+
+
+def _reset_primary_contexts(lib: ctypes.CDLL) -> None:
+    count = ctypes.c_int(0)
+    if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return  # not initialized (or broken): no context to free
+    reset = getattr(lib, "cuDevicePrimaryCtxReset_v2", None) or lib.cuDevicePrimaryCtxReset
+    for ordinal in range(count.value):
+        device = ctypes.c_int(0)
+        if lib.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
+            continue
+        flags, active = ctypes.c_uint(0), ctypes.c_int(0)
+        if lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)):
+            continue
+        if active.value:
+            reset(device)
+
+
 def cuda_driver_initialized() -> bool:
     """Whether cuInit ran in this process, asked of the driver without initializing it.
 

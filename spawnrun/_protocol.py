@@ -132,6 +132,8 @@ class Done:
     #: Peak device memory of the test's process in bytes (torch's caching allocator,
     #: reserved, on all its devices), when torch had initialized CUDA in it; else None.
     peak_device_bytes: int | None = None
+    #: The most torch reserved on any one of its devices (what a budget caps).
+    peak_per_device: int | None = None
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ import pytest
 
 from spawnrun import _devices
 from spawnrun import _forkserver
+from spawnrun import _packing
 from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _runner
@@ -56,8 +57,8 @@ from spawnrun._jobs import State
 STOPPED = (
     "spawnrun: stopped while running, because the session stopped (-x, --maxfail or an interrupt)"
 )
-#: The next spawned tests: item, timeout, devices it needs, whether it hides devices.
-Upcoming = Sequence[tuple[pytest.Item, float | None, int, bool]]
+#: The next spawned tests, with what each needs.
+Upcoming = Sequence[tuple[pytest.Item, _packing.Plan]]
 #: How often a test waiting for devices held by another xdist worker looks again.
 _LEDGER_POLL = 0.05
 #: Assumed boot time before any child has booted (seconds).
@@ -95,6 +96,11 @@ class Scheduler:
         self.timeouts = 0
         self.reaped = 0
         self.peaks: list[tuple[int, str, list[str]]] = []
+        #: Tests on devices: how many shared one, had a budget but ran alone, or ran
+        #: alone (node ids by reason).
+        self.shared = 0
+        self.budget_alone = 0
+        self.alone: dict[str, list[str]] = {}
         #: Since when each device has been seen free (for the replan rule).
         self.free_since: dict[str, float] = {}
 
@@ -104,9 +110,7 @@ class Scheduler:
         self,
         item: pytest.Item,
         nextitem: pytest.Item | None,
-        timeout: float | None,
-        count: int,
-        hide_devices: bool,
+        plan: _packing.Plan,
         upcoming: Upcoming = (),
     ) -> None:
         """pytest reached ``item``: start it as soon as a slot and its devices allow.
@@ -117,9 +121,9 @@ class Scheduler:
         parent_error = _replay.parent_teardown(item, nextitem)
         job = self.ahead.pop(item.nodeid, None)
         if job is None:
-            job = Job(item, timeout, [], hide_devices, self.settle)
+            job = self._job(item, plan, [])
             self.jobs.append(job)
-        job.timeout = timeout
+        job.timeout = plan.timeout
         job.turn(parent_error)
         if job.reported:
             # Its child died while booting ahead: that is the test's report.
@@ -131,7 +135,7 @@ class Scheduler:
             if session.shouldfail or session.shouldstop:
                 self._drop(job)  # as pytest: nothing new starts once the session stops
                 return
-            went = self._try_go(job, count)
+            went = self._try_go(job)
             # Plan the next tests once this one holds its devices, and keep them
             # booting while it waits.
             self.prefetch(upcoming)
@@ -147,32 +151,57 @@ class Scheduler:
                 timeout = min(_LEDGER_POLL, timeout or _LEDGER_POLL)
             self.loop_once(timeout)
 
-    def _try_go(self, job: Job, count: int) -> bool:
+    def _job(self, item: pytest.Item, plan: _packing.Plan, devices: list[str]) -> Job:
+        return Job(item, plan, devices, self.settle, self.allocator.capacity)
+
+    def _try_go(self, job: Job) -> bool:
         if self._in_slots() >= self.limit:
             return False
-        if job.child is None:
-            devices = self.allocator.take(count) if count else []
+        plan = job.plan
+        need = plan.need
+        if plan.every:
+            # --spawn-gpu alone: it sees every device, so it claims every one.
+            ids = list(self.allocator.ids)
+            if ids and not self.allocator.take_exact(ids, need, job.token):
+                return False
+            job.claimed = ids
+            if job.child is None:
+                job.start()
+        elif job.child is None:
+            devices = self.allocator.take(plan.count, need, job.token) if plan.count else []
             if devices is None:
                 return False
-            job.devices = job.held = devices
+            job.devices = job.claimed = devices
             job.start()
         elif job.devices:
-            if self.allocator.take_exact(job.devices):
-                job.held = job.devices
+            if self.allocator.take_exact(job.devices, need, job.token):
+                job.claimed = job.devices
             else:
                 idle = self._idle_devices(self._expected_boot())
-                if len(idle) < count or not self.allocator.take_exact(idle[:count]):
+                taken = None
+                if len(idle) >= plan.count:
+                    taken = self.allocator.take(plan.count, need, job.token, idle)
+                if taken is None:
                     return False
-                self._replan(job, idle[:count])
+                self._replan(job, taken)
+        job.held = list(job.claimed)
+        self._note_sharing(job)
         job.go()
         return True
+
+    def _note_sharing(self, job: Job) -> None:
+        """Tests that hold a device together both ran shared (for the summary)."""
+        mine = set(job.held)
+        for other in self.jobs:
+            if other is not job and mine & set(other.held):
+                other.shared = job.shared = True
 
     def _replan(self, job: Job, devices: list[str]) -> None:
         """Replace a booted-ahead child planned on busy devices by one on free devices."""
         self.replans += 1
         job.retire_child()
         self.graveyard.extend(job.take_retired())
-        job.devices = job.held = devices
+        job.devices = job.claimed = devices
         job.reset_candidates()
         job.start()
 
@@ -196,13 +225,13 @@ class Scheduler:
 
     def prefetch(self, upcoming: Upcoming) -> None:
         """Boot children for the next spawned tests, each on the devices planned for it."""
-        for item, timeout, count, hide in upcoming[: self.lookahead]:
+        for item, plan in upcoming[: self.lookahead]:
             if len(self.ahead) >= self.lookahead:
                 return
             if item.nodeid in self.ahead or any(j.item is item for j in self.jobs):
                 continue
-            devices = self._plan(count) if count else []
-            job = Job(item, timeout, devices, hide, self.settle)
+            devices = self._plan(plan.count) if plan.count and not plan.every else []
+            job = self._job(item, plan, devices)
             job.start()
             self.ahead[item.nodeid] = job
             self.jobs.append(job)
@@ -269,6 +298,8 @@ class Scheduler:
         due = []
         for job in list(self.jobs):
             self.graveyard.extend(job.take_retired())
+            if job.released and job.held:
+                self._give_back(job)  # NVML lists none of its processes any more
             if job.boot_seconds is not None and not job.boot_counted:
                 job.boot_counted = True
                 self.boot_times.append(job.boot_seconds)
@@ -284,9 +315,7 @@ class Scheduler:
         # A job that finished before its turn stays in ``ahead``: its turn replays it.
         self.jobs.remove(job)
         self._count(job)
-        held, job.held = job.held, []
-        if held:
-            self.allocator.give_back(held)
+        self._give_back(job)
         if job.settled_after > 1.0:
             self.long_settles.append((job.item.nodeid, job.settled_after))
         texts = [job.stuck] if job.stuck else []
@@ -296,6 +325,11 @@ class Scheduler:
         for text in texts if job.turned else []:
             warning = _reports.warning(text, str(job.item.path), (job.item.location[1] or 0) + 1)
             _reports.record_warning(job.item.config, warning, job.item.nodeid)
+
+    def _give_back(self, job: Job) -> None:
+        held, job.held = job.held, []
+        if held:
+            self.allocator.give_back(held, job.token)
 
     def _replay(self, job: Job) -> None:
         """Replay what the child reported; re-raise its pytest.exit / KeyboardInterrupt."""
@@ -341,8 +375,7 @@ class Scheduler:
                 job.child.kill()
                 self.graveyard.append(job.child)
             self.graveyard.extend(job.take_retired())
-            if job.held:
-                self.allocator.give_back(job.held)
+            self._give_back(job)
         self.jobs, self.ahead = [], {}
         for child in self.graveyard:
             child.kill()
@@ -360,10 +393,35 @@ class Scheduler:
         self.crashes += job.crashes
         self.timeouts += job.timeouts
         self.reaped += job.reaped_count
+        if job.claimed:
+            if job.shared:
+                self.shared += 1
+            elif job.plan.need is not _packing.ALONE:
+                self.budget_alone += 1
+            else:
+                self.alone.setdefault(job.plan.alone_because, []).append(job.item.nodeid)
         if job.peak_device_bytes is not None:
             self.peaks.append((job.peak_device_bytes, job.item.nodeid, job.devices))
 
-    def summary(self, peaks_shown: int = 10) -> list[str]:
+    def _packing_lines(self, list_alone: bool, shown: int = 10) -> list[str]:
+        """Which tests shared a device and which ran alone, and why."""
+        if not (self.shared or self.budget_alone) and not list_alone:
+            return []
+        alone = sum(len(ids) for ids in self.alone.values())
+        parts = [f"{self.shared} shared a GPU within their budgets"]
+        if self.budget_alone:
+            parts.append(f"{self.budget_alone} with a budget found no neighbour")
+        reasons = ", ".join(f"{why}: {len(ids)}" for why, ids in sorted(self.alone.items()))
+        if alone:
+            parts.append(f"{alone} ran alone ({reasons})")
+        lines = ["packing: " + "; ".join(parts)]
+        if list_alone:
+            for why, ids in sorted(self.alone.items()):
+                more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+                lines.append(f"  alone, {why}: {', '.join(ids[:shown])}{more}")
+        return lines
+
+    def summary(self, peaks_shown: int = 10, list_alone: bool = False) -> list[str]:
         """The run summary's lines ([] when nothing was spawned)."""
         if not self.isolated:
             return []
@@ -383,6 +441,7 @@ class Scheduler:
             ends.append(f"{self.reaped} process(es) left behind were reaped")
         if ends:
             lines.append(", ".join(ends))
+        lines += self._packing_lines(list_alone)
         if self.peaks:
             lines.append("peak GPU memory per test (torch's caching allocator, reserved):")
             ranked = sorted(self.peaks, key=lambda p: (-p[0], p[1]))

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from spawnrun import _devices
+from spawnrun import _packing
 
 #: pytest-forked's marker: spawns as ``<marker>(count=0)`` while pytest-forked is absent.
 FORKED = "forked"
@@ -38,6 +39,13 @@ def parse_bool(value: object, source: str) -> bool:
     if text in ("0", "false", "no", "off", ""):
         return False
     raise pytest.UsageError(f"{source}: expected a boolean (true/false), got {value!r}")
+
+
+def parse_bool_strict(value: object, source: str) -> bool:
+    """A marker's flag: True or False, nothing that merely looks like one."""
+    if not isinstance(value, bool):
+        raise pytest.UsageError(f"{source}: expected True or False, got {value!r}")
+    return value
 
 
 def parse_timeout(value: object, source: str) -> float | None:
@@ -148,6 +156,35 @@ def parse_count(value: object, source: str) -> int:
     return value
 
 
+def parse_memory(value: object, source: str) -> int | None:
+    """A test's memory budget per device (``_packing.parse_size``); none: no budget."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none")):
+        return None
+    return _packing.parse_size(value, source)
+
+
+def parse_capacity(value: object, source: str) -> int | None:
+    """Each device's memory where NVML cannot tell; auto: NVML's only."""
+    if value is None or str(value).strip().lower() in ("", "auto"):
+        return None
+    return _packing.parse_size(value, source)
+
+
+def parse_per_gpu(value: object, source: str) -> int | None:
+    """A whole number >= 1 of tests at once on one device, or auto (None)."""
+    return parse_jobs(value, source)
+
+
+PACK_MODES = ("off", "declared", "auto")
+
+
+def parse_pack(value: object, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in PACK_MODES:
+        raise pytest.UsageError(f"{source}: expected off, declared or auto, got {value!r}")
+    return text
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -210,6 +247,28 @@ SETTINGS: tuple[Setting, ...] = (
         parse=parse_count,
         help="Number of GPUs the test needs (0: isolate without a device)",
         metavar="N",
+    ),
+    Setting(
+        name="memory",
+        cli="--spawn-memory",
+        ini="spawn_memory",
+        env="SPAWNRUN_MEMORY",
+        marker_kwarg="memory",
+        default=None,
+        parse=parse_memory,
+        help="GPU memory the test needs on each of its devices (e.g. 6GiB): tests with "
+        "budgets share a device within its memory",
+        metavar="SIZE",
+    ),
+    Setting(
+        name="exclusive",
+        cli=None,
+        ini=None,
+        env=None,
+        marker_kwarg="exclusive",
+        default=False,
+        parse=parse_bool_strict,
+        help="Run alone on its devices, whatever budgets allow",
     ),
     Setting(
         name="timeout",
@@ -282,6 +341,41 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="N",
     ),
     Setting(
+        name="pack",
+        cli="--spawn-pack",
+        ini="spawn_pack",
+        env="SPAWNRUN_PACK",
+        marker_kwarg=None,
+        default="declared",
+        parse=parse_pack,
+        help="Which tests share a device: off (one per device), declared (those with a "
+        "memory budget) or auto (also those whose peak an earlier run measured)",
+        metavar="MODE",
+    ),
+    Setting(
+        name="per_gpu",
+        cli="--spawn-per-gpu",
+        ini="spawn_per_gpu",
+        env="SPAWNRUN_PER_GPU",
+        marker_kwarg=None,
+        default=None,
+        parse=parse_per_gpu,
+        help="Most tests at once on one device (auto: cores per GPU, 2 to 8)",
+        metavar="N",
+    ),
+    Setting(
+        name="gpu_memory",
+        cli="--spawn-gpu-memory",
+        ini="spawn_gpu_memory",
+        env="SPAWNRUN_GPU_MEMORY",
+        marker_kwarg=None,
+        default=None,
+        parse=parse_capacity,
+        help="Memory of each device where NVML cannot tell, and at most what NVML says "
+        "(e.g. 80GiB; auto: NVML's)",
+        metavar="SIZE",
+    ),
+    Setting(
         name="settle",
         cli="--spawn-settle",
         ini="spawn_settle",
@@ -343,6 +437,11 @@ class Settings:
     preload: tuple[str, ...]
     lookahead: int | None
     settle: float | None
+    memory: int | None = None
+    exclusive: bool = False
+    pack: str = "declared"
+    per_gpu: int | None = None
+    gpu_memory: int | None = None
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""
     #: Whether ``@pytest.mark.forked`` spawns (pytest-forked is not there to own it).
@@ -436,7 +535,13 @@ def marker_overrides(item: pytest.Item, settings: Settings) -> dict[str, Any]:
             f"known: {', '.join(MARKER_KWARGS)}; {OWN_MARKER_HINT}"
         )
     by_kwarg = {s.marker_kwarg: s for s in SETTINGS if s.marker_kwarg}
-    return {
+    overrides = {
         by_kwarg[k].name: by_kwarg[k].parse(v, f"{source}({k}={v!r})")
         for k, v in mark.kwargs.items()
     }
+    if overrides.get("exclusive") and overrides.get("memory") is not None:
+        raise pytest.UsageError(
+            f"{source}: memory= and exclusive=True contradict each other (a budget is "
+            "for sharing a device; exclusive runs alone): give one"
+        )
+    return overrides

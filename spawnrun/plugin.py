@@ -13,6 +13,7 @@ import shutil
 import signal
 import threading
 from collections.abc import Generator
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -23,6 +24,7 @@ from spawnrun import _cudawatch
 from spawnrun import _devices
 from spawnrun import _forkserver
 from spawnrun import _jobs
+from spawnrun import _packing
 from spawnrun import _runner
 from spawnrun import _scheduler
 from spawnrun import _settings
@@ -30,9 +32,16 @@ from spawnrun import _settings
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
 INVENTORY_KEY = pytest.StashKey[_devices.Inventory]()
 SCHEDULER_KEY = pytest.StashKey[_scheduler.Scheduler]()
-#: Per item: the validated marker arguments, and whether it spawns.
+#: Per item: the validated marker arguments, whether it spawns, and what it needs.
 ITEM_KEY = pytest.StashKey[dict[str, Any]]()
 SPAWNS_KEY = pytest.StashKey[bool]()
+PLAN_KEY = pytest.StashKey[_packing.Plan]()
+#: Each device's memory (NVML's, or --spawn-gpu-memory), None where unknown.
+CAPACITY_KEY = pytest.StashKey[dict[str, "int | None"]]()
+#: Peaks measured in this run (node id -> bytes on its fullest device), for the cache.
+PEAKS_KEY = pytest.StashKey[dict[str, int]]()
+#: Where learned peaks live in pytest's cache.
+CACHE_PEAKS = "spawnrun/peaks"
 #: Node id -> position in session.items, to find the tests after the current one.
 INDEX_KEY = pytest.StashKey[dict[str, int]]()
 
@@ -58,15 +67,22 @@ def _xdist_controller(config: pytest.Config) -> bool:
     return not _xdist_worker() and config.getoption("dist", "no") not in (None, "no")
 
 
-#: Under xdist, in the controller: the run's id, to remove the workers' ledger at the end.
-TESTRUNUID_KEY = pytest.StashKey[str]()
+#: Under xdist, in the controller: the private directory of the workers' device ledger.
+LEDGER_KEY = pytest.StashKey[str]()
+#: The workerinput key that hands the ledger's directory to each worker.
+LEDGER_INPUT = "spawnrun_ledger"
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_configure_node(node: Any) -> None:
-    uid = getattr(node, "workerinput", {}).get("testrunuid")
-    if uid:
-        node.config.stash[TESTRUNUID_KEY] = str(uid)
+    ledger = node.config.stash.get(LEDGER_KEY, None)
+    if ledger is not None:
+        node.workerinput[LEDGER_INPUT] = ledger
+
+
+def _default_jobs(gpus: int, per_gpu: int, cpus: int) -> int:
+    """Every device filled to its cap, as far as there are cores; one per GPU at least."""
+    return max(1, gpus, min(gpus * per_gpu, cpus))
 
 
 @pytest.hookimpl
@@ -80,10 +96,26 @@ def pytest_configure(config: pytest.Config) -> None:
     settings = _settings.resolve(config)
     _register_markers(config, settings.marker, settings.forked_alias)
     inventory = _devices.inventory(settings.gpus, os.environ)
+    cpus = os.cpu_count() or 1
+    per_gpu = settings.per_gpu or _packing.default_per_gpu(cpus, len(inventory.ids))
+    if settings.pack == "off":
+        per_gpu = 1
+    capacity = _devices.capacities(inventory.ids, settings.gpu_memory)
     # Under xdist each worker runs one child at a time; the workers are the parallelism.
-    limit = 1 if _xdist_worker() else settings.jobs or max(1, len(inventory.ids))
+    if _xdist_worker():
+        limit = 1
+    else:
+        limit = settings.jobs or _default_jobs(len(inventory.ids), per_gpu, cpus)
+    ledger = None
+    if _xdist_worker():
+        ledger = getattr(config, "workerinput", {}).get(LEDGER_INPUT)
+    elif _xdist_controller(config):
+        config.stash[LEDGER_KEY] = str(_devices.private_dir())
     config.stash[SETTINGS_KEY] = settings
     config.stash[INVENTORY_KEY] = inventory
+    config.stash[CAPACITY_KEY] = capacity
+    global _peaks
+    _peaks = config.stash[PEAKS_KEY] = {}
     lookahead = settings.lookahead
     if lookahead is None:
         lookahead = _settings.default_lookahead()
@@ -91,7 +123,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if settings.method == "forkserver" and not _xdist_controller(config):
         holder = config.stash[_jobs.ZYGOTE_KEY] = _forkserver.ZygoteHolder(list(settings.preload))
     config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
-        _devices.allocator_for(inventory.ids, os.environ),
+        _devices.allocator_for(inventory.ids, ledger, capacity, per_gpu),
         limit,
         settings.settle,
         lookahead,
@@ -141,11 +173,20 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return ["spawnrun: --no-spawn given, every test runs in-process"]
     what = "every test" if settings.spawn_gpu else f"tests marked {settings.marker}"
     scheduler = config.stash[SCHEDULER_KEY]
-    return [
+    lines = [
         f"spawnrun: {what} run in a fresh spawn child, up to {scheduler.limit} at once, "
         f"{scheduler.lookahead} booted ahead",
         config.stash[INVENTORY_KEY].describe(),
     ]
+    capacity = config.stash[CAPACITY_KEY]
+    if capacity and settings.pack != "off":
+        sizes = sorted({_packing.show(c) for c in capacity.values()})
+        lines.append(
+            f"spawnrun: packing {settings.pack}: tests with a memory budget share a GPU, "
+            f"up to {scheduler.allocator.per_gpu} at once, within its memory "
+            f"({', '.join(sizes)}) less {_packing.show(_packing.RESERVE)} per test"
+        )
+    return lines
 
 
 @pytest.hookimpl
@@ -177,26 +218,102 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Validate every selected test's marker now, so a typo is a usage error before
-    # anything runs, not a surprise halfway through a GPU suite.
+    # anything runs, not a surprise halfway through a GPU suite; and decide, once, what
+    # each spawned test needs.
     settings = config.stash.get(SETTINGS_KEY, None)
     if settings is None:
         return
-    available = len(config.stash[INVENTORY_KEY].ids)
+    ids = config.stash[INVENTORY_KEY].ids
+    capacity = config.stash[CAPACITY_KEY]
+    learned = _learned(config) if settings.pack == "auto" else {}
     for item in items:
         overrides = _settings.marker_overrides(item, settings)
         item.stash[ITEM_KEY] = overrides
         spawns = _should_spawn(item, settings)
-        needed = _device_count(item, settings, overrides)
-        if needed > available:
+        plan = _plan(item, settings, overrides, ids, capacity, learned)
+        item.stash[PLAN_KEY] = plan
+        reason = _cannot_run(plan, ids, capacity) if spawns or plan.count else ""
+        if reason:
             # Skipped where it stands, in-process: no child for a test that cannot run.
-            gpus = "GPU" if needed == 1 else "GPUs"
-            item.add_marker(
-                pytest.mark.skip(reason=f"needs {needed} {gpus}, {available} available")
-            )
+            item.add_marker(pytest.mark.skip(reason=reason))
             spawns = False
         elif spawns and _skipped_statically(item):
             spawns = False  # pytest skips it here, as in the child, without a child
         item.stash[SPAWNS_KEY] = spawns
+
+
+def _cannot_run(plan: _packing.Plan, ids: tuple[str, ...], capacity: dict[str, int | None]) -> str:
+    """Why a test can never get its devices ("" if it can)."""
+    if plan.count > len(ids):
+        gpus = "GPU" if plan.count == 1 else "GPUs"
+        return f"needs {plan.count} {gpus}, {len(ids)} available"
+    need = plan.need
+    if need is _packing.ALONE or not (plan.count or plan.every):
+        return ""
+    wanted = len(ids) if plan.every else plan.count
+    sizes = [capacity.get(d) for d in ids]
+    big_enough = [c for c in sizes if c is None or c >= need]
+    if len(big_enough) >= wanted:
+        return ""
+    largest = max(c for c in sizes if c is not None)
+    return (
+        f"needs {_packing.show(need)} of GPU memory ({plan.budget_source}), "
+        f"more than the device's {_packing.show(largest)}"
+    )
+
+
+def _plan(
+    item: pytest.Item,
+    settings: _settings.Settings,
+    overrides: dict[str, Any],
+    ids: tuple[str, ...],
+    capacity: dict[str, int | None],
+    learned: dict[str, int],
+) -> _packing.Plan:
+    """What the test needs: devices, a budget on each (or alone, and why), a timeout."""
+    marked = _settings.marked(item, settings)
+    timeout = overrides.get("timeout", settings.timeout)
+    count = _device_count(item, settings, overrides)
+    every = not marked  # --spawn-gpu alone: it sees every device, so it holds them all
+    if not (count if marked else ids):
+        return _packing.Plan(timeout, count, every=every)
+    alone = _packing.Plan(timeout, count, every=every, alone_because="no memory budget")
+    if settings.pack == "off":
+        return replace(alone, alone_because="--spawn-pack off")
+    if overrides.get("exclusive", settings.exclusive):
+        return replace(alone, alone_because="exclusive=True")
+    memory = overrides.get("memory", settings.memory)
+    if memory is not None:
+        raw = _marker_memory(item, settings)
+        source = f"memory={raw!r}" if raw is not None else f"spawn_memory {_packing.show(memory)}"
+        return replace(alone, need=memory, alone_because="", budget_source=source)
+    if settings.pack != "auto":
+        return alone
+    peak = learned.get(item.nodeid)
+    if peak is None:
+        return replace(alone, alone_because="no peak recorded yet")
+    known = [c for c in capacity.values() if c is not None]
+    need, why = _packing.learned_need(peak, min(known) if known else None)
+    if need is _packing.ALONE:
+        return replace(alone, alone_because=why)
+    source = f"learned: peak {_packing.show(peak)}"
+    return replace(alone, need=need, alone_because="", budget_source=source)
+
+
+def _marker_memory(item: pytest.Item, settings: _settings.Settings) -> object:
+    mark = item.get_closest_marker(settings.marker)
+    return None if mark is None else mark.kwargs.get("memory")
+
+
+def _learned(config: pytest.Config) -> dict[str, int]:
+    """Peaks recorded by earlier runs (pytest's cache), node id -> bytes."""
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return {}
+    peaks = cache.get(CACHE_PEAKS, {})
+    if not isinstance(peaks, dict):
+        return {}
+    return {str(k): int(v) for k, v in peaks.items() if isinstance(v, int) and v >= 0}
 
 
 def _skipped_statically(item: pytest.Item) -> bool:
@@ -250,21 +367,11 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         scheduler.loop_once(0)  # replay children that ended meanwhile
         scheduler.prefetch(_upcoming(item, nextitem, scheduler))
         return None
-    settings = config.stash[SETTINGS_KEY]
-    overrides = _overrides(item)
     # pytest's faulthandler_timeout would dump the parent's own wait: the child, which
     # gets the same setting, dumps the test's stacks instead.
     faulthandler.cancel_dump_traceback_later()
     _cudawatch.check(config)
-    marked = _settings.marked(item, settings)
-    scheduler.submit(
-        item,
-        nextitem,
-        timeout=overrides.get("timeout", settings.timeout),
-        count=_device_count(item, settings, overrides),
-        hide_devices=marked,
-        upcoming=_upcoming(item, nextitem, scheduler),
-    )
+    scheduler.submit(item, nextitem, _plan_of(item), _upcoming(item, nextitem, scheduler))
     if scheduler.limit == 1:
         # One at a time: the test's reports arrive inside its own protocol, as
         # pytest-xdist's workers require and as plain pytest would do.
@@ -272,17 +379,22 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     return True
 
 
-def _overrides(item: pytest.Item) -> dict[str, Any]:
-    overrides = item.stash.get(ITEM_KEY, None)
-    if overrides is None:  # collected without our modifyitems (e.g. by another plugin)
-        overrides = _settings.marker_overrides(item, item.config.stash[SETTINGS_KEY])
-    return overrides
+def _plan_of(item: pytest.Item) -> _packing.Plan:
+    plan = item.stash.get(PLAN_KEY, None)
+    if plan is None:  # collected without our modifyitems (e.g. by another plugin)
+        config = item.config
+        settings = config.stash[SETTINGS_KEY]
+        overrides = _settings.marker_overrides(item, settings)
+        ids = config.stash[INVENTORY_KEY].ids
+        plan = _plan(item, settings, overrides, ids, config.stash[CAPACITY_KEY], {})
+        item.stash[PLAN_KEY] = plan
+    return plan
 
 
 def _upcoming(
     item: pytest.Item, nextitem: pytest.Item | None, scheduler: _scheduler.Scheduler
-) -> list[tuple[pytest.Item, float | None, int, bool]]:
-    """The next spawned tests after ``item`` (timeout, devices, hidden): to boot ahead."""
+) -> list[tuple[pytest.Item, _packing.Plan]]:
+    """The next spawned tests after ``item``, with their plans: to boot ahead."""
     if not scheduler.lookahead or nextitem is None:
         return []
     session = item.session
@@ -296,15 +408,7 @@ def _upcoming(
             session.config.stash[INDEX_KEY] = index
         start = index.get(nextitem.nodeid, len(session.items))
         candidates = session.items[start : start + 4 * scheduler.lookahead]
-    settings = item.config.stash[SETTINGS_KEY]
-    upcoming = []
-    for it in candidates:
-        if _spawns(it):
-            overrides = _overrides(it)
-            timeout = overrides.get("timeout", settings.timeout)
-            marked = _settings.marked(it, settings)
-            upcoming.append((it, timeout, _device_count(it, settings, overrides), marked))
-    return upcoming
+    return [(it, _plan_of(it)) for it in candidates if _spawns(it)]
 
 
 class _AfterEachTest:
@@ -331,9 +435,11 @@ class _AfterEachTest:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    uid = session.config.stash.get(TESTRUNUID_KEY, None)
-    if uid is not None:  # the xdist controller: every worker is gone by now
-        shutil.rmtree(_devices.ledger_dir(uid), ignore_errors=True)
+    config = session.config
+    ledger = config.stash.get(LEDGER_KEY, None)
+    if ledger is not None:  # the xdist controller: every worker is gone by now
+        shutil.rmtree(ledger, ignore_errors=True)
+    _store_peaks(config)
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:
         return
@@ -352,10 +458,24 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reports.sort(key=lambda r: order.get(getattr(r, "nodeid", ""), len(order)))
 
 
+def _store_peaks(config: pytest.Config) -> None:
+    """Keep this run's measured peaks in pytest's cache, for ``--spawn-pack auto``."""
+    peaks = config.stash.get(PEAKS_KEY, None)
+    cache = getattr(config, "cache", None)
+    if not peaks or cache is None or _xdist_worker():
+        return  # under xdist the controller stores what its workers' reports carry
+    stored = cache.get(CACHE_PEAKS, {})
+    merged = dict(stored) if isinstance(stored, dict) else {}
+    merged.update(peaks)
+    cache.set(CACHE_PEAKS, merged)
+
+
 @pytest.hookimpl
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     scheduler = terminalreporter.config.stash.get(SCHEDULER_KEY, None)
-    lines = scheduler.summary() if scheduler is not None else []
+    settings = terminalreporter.config.stash.get(SETTINGS_KEY, None)
+    auto = settings is not None and settings.pack == "auto"
+    lines = scheduler.summary(list_alone=auto) if scheduler is not None else []
     if lines:
         terminalreporter.write_sep("-", "spawnrun")
         for line in lines:
@@ -368,6 +488,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 
 #: True while a test's report is being logged: only its own line names its devices.
 _logging_report = False
+#: The run's measured peaks (``PEAKS_KEY``); the logreport hook has no config to ask.
+_peaks: dict[str, int] | None = None
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -378,6 +500,11 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> Generator[None, None,
         yield
     finally:
         _logging_report = False
+    peak = dict(getattr(report, "user_properties", ()) or ()).get(_jobs.LEARNED_PEAK)
+    if isinstance(peak, (int, float)) and report.when == "teardown":
+        # Replayed here from a child, or from an xdist worker in the controller.
+        if _peaks is not None:
+            _peaks[report.nodeid] = int(peak * 2**20)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -387,7 +514,11 @@ def pytest_report_teststatus(
     result = yield
     # With -v, a spawned test's own line names its devices: "PASSED [gpu 1]". Nowhere
     # else: the short summary keeps "FAILED <nodeid>" as tools parse it.
-    devices = dict(getattr(report, "user_properties", ()) or ()).get("spawnrun_devices")
+    properties = dict(getattr(report, "user_properties", ()) or ())
+    devices = properties.get("spawnrun_devices")
+    budget = properties.get(_jobs.BUDGET_PROPERTY)
+    if devices and isinstance(budget, (int, float)):
+        devices = f"{devices}, {_packing.show(int(budget * 2**20))}"
     if (
         _logging_report
         and devices

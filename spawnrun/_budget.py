@@ -1,0 +1,140 @@
+"""A child's side of a memory budget: enforced the moment its own CUDA comes up.
+
+Runs in the child only (test children, spawned or forked). The parent puts the budget
+in the child's environment before its interpreter (or its fork) starts:
+``SPAWNRUN_GPU_BUDGET`` (bytes per device), and for JAX ``XLA_PYTHON_CLIENT_PREALLOCATE``
+and ``XLA_PYTHON_CLIENT_MEM_FRACTION``, which JAX reads itself when it starts.
+
+For torch, ``install`` queues the cap (``torch.cuda.set_per_process_memory_fraction``
+on every visible device) with torch's own lazy-initialization queue, so it takes effect
+when the test's first CUDA call initializes CUDA and never initializes CUDA itself: a
+test that does not use the GPU never creates a context. torch may be imported before
+``install`` (the fast mode's template preloads it) or later (a conftest, a test
+module, the test body): an import hook covers the second case.
+
+The budget caps torch's caching allocator only (not the CUDA context or cuBLAS's
+workspace: the parent's reserve per process covers those). A test that runs out of
+memory gets a report section naming its budget and its measured peak.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+BUDGET_ENV = "SPAWNRUN_GPU_BUDGET"
+#: What the parent told the child about its budget, for the out-of-memory section.
+SOURCE_ENV = "SPAWNRUN_GPU_BUDGET_SOURCE"
+SECTION = "spawnrun: GPU memory budget"
+
+
+def budget() -> int | None:
+    text = os.environ.get(BUDGET_ENV, "")
+    return int(text) if text.isdigit() else None
+
+
+def install() -> None:
+    """Arrange for the budget to be applied when torch initializes CUDA."""
+    if budget() is None:
+        return
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None:
+        _queue(cuda)
+    else:
+        sys.meta_path.insert(0, _Watch())
+
+
+def _queue(cuda: ModuleType) -> None:
+    lazy_call = getattr(cuda, "_lazy_call", None)
+    if lazy_call is None:
+        return  # a torch without the queue: nothing safe to hook
+    # _lazy_call runs the function at once if CUDA is already up, else at its init.
+    lazy_call(_apply)
+
+
+def _apply() -> None:
+    torch: Any = sys.modules["torch"]
+    cap = budget()
+    if cap is None:
+        return
+    for index in range(torch.cuda.device_count()):
+        total = int(torch.cuda.get_device_properties(index).total_memory)
+        if total > 0:
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+
+
+class _Watch(importlib.abc.MetaPathFinder):
+    """Queue the budget right after ``torch.cuda`` is imported, whoever imports it."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != "torch.cuda":
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _After(spec.loader)
+                return spec
+        return None
+
+
+class _After(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self.loader.exec_module(module)
+        with contextlib.suppress(Exception):
+            _queue(module)
+        with contextlib.suppress(ValueError):
+            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Watch)]
+
+
+def out_of_memory_note(excinfo: Any) -> str:
+    """The section for a test that ran out of device memory ("" for other failures)."""
+    cap = budget()
+    if cap is None or excinfo is None:
+        return ""
+    exc = excinfo.value
+    text = f"{type(exc).__name__}: {exc}"
+    if "out of memory" not in text.lower() and "OutOfMemory" not in type(exc).__name__:
+        return ""
+    peak = peak_per_device()
+    source = os.environ.get(SOURCE_ENV, "")
+    lines = [
+        f"this test ran with a GPU memory budget of {_show(cap)} per device"
+        + (f" ({source})" if source else "")
+        + ", enforced as torch's per-process memory fraction",
+        "its peak: "
+        + (f"{_show(peak)} reserved by torch" if peak is not None else "unknown (no torch)"),
+        "declare a larger budget (memory=...), or exclusive=True to run it alone",
+    ]
+    return "\n".join(lines)
+
+
+def peak_per_device() -> int | None:
+    """The most memory torch reserved on any one device (None: no CUDA in use)."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is None:
+        return None
+    try:
+        if not cuda.is_initialized():
+            return None
+        return max(int(cuda.max_memory_reserved(i)) for i in range(cuda.device_count()))
+    except Exception:  # noqa: BLE001 - a figure is never worth a failure
+        return None
+
+
+def _show(size: int) -> str:
+    if size >= 2**30:
+        return f"{size / 2**30:.1f} GiB"
+    return f"{size / 2**20:.0f} MiB"
