@@ -8,6 +8,9 @@ import sys
 import pytest
 
 from spawnrun import _devices
+from spawnrun._packing import ALONE
+
+GiB = 2**30
 
 
 @pytest.mark.parametrize(
@@ -73,40 +76,103 @@ def test_header_says_how_devices_were_found():
 
 def test_allocator_hands_out_each_device_once():
     alloc = _devices.Allocator(("0", "1", "2"))
-    a = alloc.take(2)
+    a = alloc.take(2, ALONE, "a")
     assert a == ["0", "1"]
-    assert alloc.take(2) is None  # only one left: a two-device test waits
-    b = alloc.take(1)
+    assert alloc.take(2, ALONE, "b") is None  # only one left: a two-device test waits
+    b = alloc.take(1, ALONE, "c")
     assert b == ["2"]
-    alloc.give_back(a)
-    assert sorted(alloc.take(2) or []) == ["0", "1"]
-    assert alloc.take(0) == []
+    alloc.give_back(a, "a")
+    assert sorted(alloc.take(2, ALONE, "d") or []) == ["0", "1"]
+    assert alloc.take(0, ALONE, "e") == []
 
 
 def test_ledger_is_shared_between_processes(tmp_path):
     mine = _devices.Ledger(("0", "1"), tmp_path)
-    assert mine.take(1) == ["0"]
+    assert mine.take(1, ALONE, _devices.token_for(1)) == ["0"]
     # Another process (a second xdist worker) sees device 0 taken, then takes 1.
     code = (
         "import sys; from pathlib import Path; from spawnrun import _devices;"
         "led = _devices.Ledger(('0', '1'), Path(sys.argv[1]));"
-        "print(led.take(1), led.take(1))"
+        "print(led.take(1, None, _devices.token_for(1)), led.take(1, None, _devices.token_for(2)))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
     )
     # It got device 1, then nothing; its entry died with it, so 1 is free again.
     assert out.stdout.split() == ["['1']", "None"]
-    assert mine.take(1) == ["1"]
-    assert mine.take(1) is None
-    mine.give_back(["0", "1"])
-    assert mine.take(2) == ["0", "1"]
+    assert mine.take(1, ALONE, _devices.token_for(2)) == ["1"]
+    assert mine.take(1, ALONE, _devices.token_for(3)) is None
+    mine.give_back(["0"], _devices.token_for(1))
+    mine.give_back(["1"], _devices.token_for(2))
+    assert mine.take(2, ALONE, _devices.token_for(4)) == ["0", "1"]
+
+
+def test_ledger_shares_budgets_between_processes(tmp_path):
+    # Two workers, one 10 GiB device, budgets of 4 GiB (plus the 1 GiB reserve each):
+    # two fit, a third does not, whichever worker asks.
+    capacity = {"0": 10 * GiB}
+    mine = _devices.Ledger(("0",), tmp_path, capacity, per_gpu=8)
+    assert mine.take(1, 4 * GiB, _devices.token_for(1)) == ["0"]
+    code = (
+        "import sys, time; from pathlib import Path; from spawnrun import _devices;"
+        f"led = _devices.Ledger(('0',), Path(sys.argv[1]), {{'0': {10 * GiB}}}, 8);"
+        f"print(led.take(1, {4 * GiB}, _devices.token_for(1)), flush=True); time.sleep(30)"
+    )
+    other = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout is not None
+        assert other.stdout.readline().strip() == "['0']"
+        assert mine.take(1, 4 * GiB, _devices.token_for(2)) is None
+        assert not mine.take_exact(["0"], ALONE, _devices.token_for(3))
+    finally:
+        other.kill()
+        other.wait()
+        other.stdout.close()
+    # Its claim died with it: room for one more budget again.
+    assert mine.take(1, 4 * GiB, _devices.token_for(4)) == ["0"]
+
+
+def test_ledger_directory_is_private_and_removed(tmp_path):
+    directory = _devices.private_dir()
+    try:
+        assert directory.stat().st_mode & 0o777 == 0o700
+        assert not directory.name.endswith(("abc123",))
+    finally:
+        directory.rmdir()
+    # A directory another user could write to, or a link to one, is refused.
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(pytest.UsageError, match="not a private directory"):
+        _devices.Ledger(("0",), shared)
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    link = tmp_path / "link"
+    link.symlink_to(private)
+    with pytest.raises(pytest.UsageError, match="not a private directory"):
+        _devices.Ledger(("0",), link)
+
+
+def test_ledger_never_follows_a_planted_link(tmp_path):
+    # A ledger.json planted as a link to a file of ours must not be written through.
+    directory = tmp_path / "ledger"
+    directory.mkdir(mode=0o700)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (directory / "ledger.json").symlink_to(victim)
+    ledger = _devices.Ledger(("0",), directory)
+    with pytest.raises(OSError):
+        ledger.take(1, ALONE, _devices.token_for(1))
+    assert victim.read_text() == "precious"
 
 
 def test_ledger_only_under_xdist(tmp_path):
-    assert type(_devices.allocator_for(("0",), {})) is _devices.Allocator
-    env = {"PYTEST_XDIST_WORKER": "gw0", "PYTEST_XDIST_TESTRUNUID": "abc123"}
-    assert isinstance(_devices.allocator_for(("0",), env), _devices.Ledger)
+    capacity: dict[str, int | None] = {"0": None}
+    assert type(_devices.allocator_for(("0",), None, capacity, 1)) is _devices.Allocator
+    led = _devices.allocator_for(("0",), str(tmp_path), capacity, 1)
+    assert isinstance(led, _devices.Ledger)
 
 
 def test_nvidia_smi_is_the_last_resort(tmp_path, monkeypatch):
