@@ -179,7 +179,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         config.stash[INVENTORY_KEY].describe(),
     ]
     capacity = config.stash[CAPACITY_KEY]
-    if capacity and settings.pack != "off":
+    if capacity and settings.pack != "off" and None in capacity.values():
+        lines.append(
+            f"spawnrun: packing {settings.pack}: GPU memory unknown (no NVML), so tests "
+            "with a memory budget run alone; --spawn-gpu-memory declares it"
+        )
+    elif capacity and settings.pack != "off":
         sizes = sorted({_packing.show(c) for c in capacity.values()})
         lines.append(
             f"spawnrun: packing {settings.pack}: tests with a memory budget share a GPU, "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 
@@ -164,9 +165,12 @@ def test_under_xdist_a_child_looks_like_its_worker(pytester):
 
         @pytest.mark.gpu
         @pytest.mark.parametrize("i", range(2))
-        def test_identity(i, worker_id, testrun_uid):
+        def test_identity(i, worker_id, testrun_uid, request):
+            ledger = request.config.workerinput["spawnrun_ledger"]
+            mode = os.stat(ledger).st_mode & 0o777
             with open(f"id{i}.json", "w") as f:
-                json.dump([worker_id, testrun_uid, os.environ["PYTEST_XDIST_WORKER"]], f)
+                row = [worker_id, testrun_uid, os.environ["PYTEST_XDIST_WORKER"], ledger, mode]
+                json.dump(row, f)
         """
     )
     basetemp = pytester.path / "bt"
@@ -181,9 +185,9 @@ def test_under_xdist_a_child_looks_like_its_worker(pytester):
     )
     result.assert_outcomes(passed=2)
     rows = [json.loads((pytester.path / f"id{i}.json").read_text()) for i in range(2)]
-    assert all(worker == env and worker.startswith("gw") for worker, _, env in rows)
+    assert all(worker == env and worker.startswith("gw") for worker, _, env, _, _ in rows)
     assert rows[0][1] == rows[1][1]  # one run, one testrun_uid
     assert not (basetemp / "spawnrun" / "zygote").exists()  # the controller runs no test
-    from spawnrun import _devices
-
-    assert not _devices.ledger_dir(rows[0][1]).exists()  # removed at the end
+    # One ledger for the run, in a directory only its user can enter, removed at the end.
+    assert rows[0][3] == rows[1][3] and rows[0][4] == 0o700
+    assert not Path(rows[0][3]).exists()

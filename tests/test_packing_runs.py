@@ -1,0 +1,331 @@
+"""Packing end to end, on declared devices: who shares a device, within what, and why.
+
+Every test of an inner suite writes a stamp (its start, end, devices and budget), from
+which concurrency is read; the devices are declared (``--spawn-gpus``) with a declared
+memory (``--spawn-gpu-memory``), as on a machine without GPUs.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from spawnrun._budget import SECTION
+from spawnrun._packing import RESERVE
+
+GiB = 2**30
+
+STAMP = """
+import json, os, time
+
+def stamp(name, body=1.2):
+    start = time.time()
+    time.sleep(body)
+    with open(os.environ["STAMPS"], "a") as f:
+        f.write(json.dumps({
+            "name": name, "start": start, "end": time.time(), "pid": os.getpid(),
+            "devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "budget": int(os.environ.get("SPAWNRUN_GPU_BUDGET", 0)),
+        }) + "\\n")
+"""
+
+
+def read_stamps(path: Path) -> dict[str, dict[str, object]]:
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {s["name"]: s for s in map(json.loads, lines)}
+
+
+def overlapping(stamps: dict[str, dict[str, object]], name: str) -> list[str]:
+    me = stamps[name]
+    return sorted(
+        n
+        for n, s in stamps.items()
+        if n != name and s["start"] < me["end"] and me["start"] < s["end"]  # type: ignore[operator]
+    )
+
+
+def most_at_once(stamps: dict[str, dict[str, object]], names: list[str]) -> tuple[int, int]:
+    """The most tests of ``names`` running at one instant, and their budgets' sum."""
+    best = (0, 0)
+    for name in names:
+        t = stamps[name]["start"]
+        running = [s for n, s in stamps.items() if n in names and s["start"] <= t < s["end"]]  # type: ignore[operator]
+        load = sum(int(s["budget"]) + RESERVE for s in running)  # type: ignore[call-overload]
+        best = max(best, (len(running), load))
+    return best
+
+
+@pytest.fixture
+def stamps(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = pytester.path / "stamps.jsonl"
+    monkeypatch.setenv("STAMPS", str(path))
+    pytester.makepyfile(stamping=STAMP)
+    return path
+
+
+SUITE = """
+import pytest
+from stamping import stamp
+
+@pytest.mark.parametrize("i", range(5))
+@pytest.mark.gpu(memory="3GiB")
+def test_budget(i):
+    stamp(f"budget{i}")
+
+@pytest.mark.gpu(exclusive=True)
+def test_exclusive():
+    stamp("exclusive")
+
+@pytest.mark.gpu
+def test_no_budget():
+    stamp("no_budget")
+
+@pytest.mark.parametrize("j", range(2))
+@pytest.mark.gpu(memory=3)
+def test_after(j):
+    stamp(f"after{j}")
+
+@pytest.mark.gpu(memory="11GiB")
+def test_too_large():
+    stamp("too_large")
+"""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        pytest.param([], id="spawn"),
+        pytest.param(["--spawn-method", "forkserver"], id="forkserver"),
+        pytest.param(["-n", "2"], id="xdist"),
+    ],
+)
+def test_budgeted_tests_share_a_device_within_its_memory(pytester, stamps, args):
+    pytester.makepyfile(test_suite=SUITE)
+    # One 10 GiB device: two 3 GiB budgets and their 1 GiB reserves fit, three do not.
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-rs", "--spawn-gpus", "GPU-a", "--spawn-gpu-memory",
+        "10GiB", "--spawn-per-gpu", "4", *args,
+    )  # fmt: skip
+    result.assert_outcomes(passed=9, skipped=1)
+    result.stdout.fnmatch_lines(
+        ["*needs 11.0 GiB of GPU memory (memory='11GiB'), more than the device's 10.0 GiB*"]
+    )
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    seen = read_stamps(stamps)
+    assert "too_large" not in seen
+    budgeted = [n for n in seen if n.startswith(("budget", "after"))]
+    at_once, load = most_at_once(seen, budgeted)
+    assert at_once == 2, seen  # they shared the device, never beyond its memory
+    assert load <= 10 * GiB
+    assert {seen[n]["budget"] for n in budgeted} == {3 * GiB}
+    # Alone means alone: nothing overlapped the exclusive or the unbudgeted test.
+    assert overlapping(seen, "exclusive") == []
+    assert overlapping(seen, "no_budget") == []
+    assert seen["exclusive"]["budget"] == 0
+    if "-n" not in args:
+        # Turns in collection order: the exclusive test waited for the device to
+        # empty, and nothing after it started before it.
+        later = ["no_budget", "after0", "after1"]
+        assert all(seen[n]["start"] >= seen["exclusive"]["end"] for n in later)
+        result.stdout.fnmatch_lines(
+            ["packing: 7 shared a GPU within their budgets; 2 ran alone (*)"]
+        )
+
+
+@pytest.mark.parametrize(
+    "marker, message",
+    [
+        ('memory="lots"', "expected a memory size > 0 such as 6GiB"),
+        ("memory=-1", "expected a memory size > 0"),
+        ('memory="2GiB", exclusive=True', "memory= and exclusive=True contradict"),
+        ('exclusive="yes"', "expected True or False"),
+    ],
+)
+def test_a_bad_budget_is_a_usage_error_naming_the_test(pytester, marker, message):
+    pytester.makepyfile(
+        test_bad=f"import pytest\n\n@pytest.mark.gpu({marker})\ndef test_it():\n    pass\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*test_bad.py::test_it: @pytest.mark.gpu*{message}*"])
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--spawn-gpu-memory", "banana", "command line option --spawn-gpu-memory"),
+        ("--spawn-pack", "sometimes", "expected off, declared or auto"),
+        ("--spawn-per-gpu", "0", "expected a whole number >= 1"),
+        ("--spawn-memory", "-3GiB", "command line option --spawn-memory"),
+    ],
+)
+def test_a_bad_packing_option_is_a_usage_error(pytester, option, value, message):
+    pytester.makepyfile(test_ok="def test_it():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", option, value)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{message}*"])
+
+
+@pytest.mark.parametrize(
+    "args, shared",
+    [
+        pytest.param([], False, id="no-budget-alone"),
+        pytest.param(["--spawn-memory", "1GiB"], True, id="declared-default-budget"),
+        pytest.param(["--spawn-pack", "off", "--spawn-memory", "1GiB"], False, id="pack-off"),
+    ],
+)
+def test_unmarked_tests_under_spawn_gpu_hold_every_device(pytester, stamps, args, shared):
+    """--spawn-gpu alone: a test sees every device, so it holds each, alone unless told."""
+    pytester.makepyfile(
+        test_plain="from stamping import stamp\n\n"
+        "def test_a():\n    stamp('a')\n\ndef test_b():\n    stamp('b')\n\n"
+        "def test_c():\n    stamp('c')\n"
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-gpu", "--spawn-gpus", "0,1",
+        "--spawn-gpu-memory", "80GiB", "--spawn-jobs", "3", *args,
+    )  # fmt: skip
+    result.assert_outcomes(passed=3)
+    seen = read_stamps(stamps)
+    assert {s["devices"] for s in seen.values()} == {None}  # the parent's devices
+    assert bool(overlapping(seen, "b")) is shared, seen
+
+
+def test_learned_budgets_pack_tests_on_the_second_run(pytester, stamps):
+    pytester.makepyfile(
+        test_learn=textwrap.dedent(
+            """
+            import pytest
+            from stamping import stamp
+
+            @pytest.mark.parametrize("i", range(4))
+            @pytest.mark.gpu
+            def test_it(i):
+                stamp(f"t{i}")
+            """
+        )
+    )
+    args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-pack", "auto"]
+    first = pytester.runpytest_subprocess(*args)
+    first.assert_outcomes(passed=4)
+    first.stdout.fnmatch_lines(["packing: 0 shared a GPU*; 4 ran alone (no peak recorded yet: 4)"])
+    seen = read_stamps(stamps)
+    assert all(overlapping(seen, n) == [] for n in seen)
+    stamps.unlink()
+    second = pytester.runpytest_subprocess(*args)
+    second.assert_outcomes(passed=4)
+    second.stdout.fnmatch_lines(["packing: 4 shared a GPU within their budgets"])
+    seen = read_stamps(stamps)
+    assert any(overlapping(seen, n) for n in seen)
+    assert {s["budget"] for s in seen.values()} == {256 * 2**20}  # a peak of 0 + the margin
+
+
+FAKE_TORCH = {
+    "torch/__init__.py": "from torch import cuda\nOutOfMemoryError = cuda.OutOfMemoryError\n",
+    "torch/cuda.py": textwrap.dedent(
+        """
+        import json, os
+        _initialized = False
+        _queued = []
+        fractions = []
+
+        class OutOfMemoryError(RuntimeError):
+            pass
+
+        class _Props:
+            total_memory = 8 * 2**30
+
+        def is_initialized():
+            return _initialized
+
+        def _lazy_call(fn):
+            if _initialized:
+                fn()
+            else:
+                _queued.append(fn)
+
+        def init():
+            global _initialized
+            if _initialized:
+                return
+            _initialized = True
+            for fn in _queued:
+                fn()
+
+        def device_count():
+            return 1
+
+        def get_device_properties(i):
+            return _Props()
+
+        def set_per_process_memory_fraction(fraction, device):
+            assert _initialized, "the cap initialized CUDA"
+            fractions.append((fraction, device))
+
+        def max_memory_reserved(i):
+            return 5 * 2**20
+
+        def synchronize():
+            pass
+
+        def empty_cache():
+            pass
+        """
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    "where, args",
+    [
+        pytest.param("conftest", ["--spawn-method", "forkserver"], id="conftest-forkserver"),
+        pytest.param("test", [], id="test-body-spawn"),
+    ],
+)
+def test_the_budget_caps_torch_when_its_cuda_comes_up_and_not_before(pytester, where, args):
+    for name, text in FAKE_TORCH.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    pytester.makeconftest("import torch\n" if where == "conftest" else "")
+    pytester.makepyfile(
+        test_cap=textwrap.dedent(
+            """
+            import pytest
+
+            @pytest.mark.gpu(memory="1GiB")
+            def test_capped_at_init():
+                import torch
+                assert not torch.cuda.is_initialized() and torch.cuda.fractions == []
+                torch.cuda.init()
+                assert torch.cuda.fractions == [(0.125, 0)]
+
+            @pytest.mark.gpu(exclusive=True)
+            def test_alone_uncapped():
+                import torch
+                torch.cuda.init()
+                assert torch.cuda.fractions == []
+
+            @pytest.mark.gpu(memory="1GiB")
+            def test_out_of_memory():
+                import torch
+                torch.cuda.init()
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            """
+        )
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "8GiB", *args
+    )
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            f"*- {SECTION} -*",
+            "this test ran with a GPU memory budget of 1.0 GiB per device (memory='1GiB'), *",
+            "its peak: 5 MiB reserved by torch",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
