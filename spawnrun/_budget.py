@@ -20,14 +20,20 @@ memory gets a report section naming its budget and its measured peak.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.abc
 import importlib.machinery
 import os
 import sys
+import time
+from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
 BUDGET_ENV = "SPAWNRUN_GPU_BUDGET"
+#: A lock file per device that children sharing it take while they create contexts.
+INIT_LOCK_ENV = "SPAWNRUN_CUDA_INIT_LOCK"
+INIT_LOCK_WAIT = 10.0
 #: What the parent told the child about its budget, for the out-of-memory section.
 SOURCE_ENV = "SPAWNRUN_GPU_BUDGET_SOURCE"
 SECTION = "spawnrun: GPU memory budget"
@@ -62,10 +68,37 @@ def _apply() -> None:
     cap = budget()
     if cap is None:
         return
-    for index in range(torch.cuda.device_count()):
-        total = int(torch.cuda.get_device_properties(index).total_memory)
-        if total > 0:
-            torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+    # Children sharing a device create their contexts one at a time: eight at once
+    # each take several times as long as one alone.
+    with _one_at_a_time(os.environ.get(INIT_LOCK_ENV, "")):
+        for index in range(torch.cuda.device_count()):
+            total = int(torch.cuda.get_device_properties(index).total_memory)
+            if total > 0:
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+            torch.cuda.synchronize(index)  # the context, created now, under the lock
+
+
+@contextlib.contextmanager
+def _one_at_a_time(path: str, limit: float = INIT_LOCK_WAIT) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path``, waited for at most ``limit`` seconds."""
+    fd = -1
+    with contextlib.suppress(OSError):
+        if path:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        end = time.monotonic() + limit
+        while fd >= 0:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= end:
+                    break  # a neighbour stuck in its init: go on without the lock
+                time.sleep(0.01)
+        yield
+    finally:
+        if fd >= 0:
+            os.close(fd)  # closing the descriptor releases the lock
 
 
 class _Watch(importlib.abc.MetaPathFinder):

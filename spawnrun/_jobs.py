@@ -34,6 +34,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import count
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -48,6 +49,7 @@ from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun._budget import BUDGET_ENV
+from spawnrun._budget import INIT_LOCK_ENV
 from spawnrun._budget import SOURCE_ENV
 
 _serial = count(1)
@@ -212,6 +214,8 @@ class Job:
             env[BUDGET_ENV] = str(need)
             env[SOURCE_ENV] = self.plan.budget_source
             env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+            if self.devices:
+                env[INIT_LOCK_ENV] = str(_init_lock(self.item.config, self.devices[0]))
             sizes = [self.capacity.get(d) for d in self.devices or self.capacity]
             known = [c for c in sizes if c]
             if known and len(known) == len(sizes):
@@ -571,6 +575,19 @@ class Job:
 
     def reset_candidates(self) -> None:
         self.candidates = _candidate_args(self.item)
+
+
+def _init_lock(config: pytest.Config, device: str) -> Path:
+    """The lock children sharing ``device`` create their CUDA contexts under.
+
+    In the run's own directory, shared by its xdist workers (the ledger's private
+    directory) or below the session's basetemp.
+    """
+    shared = getattr(config, "workerinput", {}).get("spawnrun_ledger")
+    directory = Path(shared) if shared else _runner.parent_basetemp(config) / "spawnrun"
+    directory.mkdir(parents=True, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c == "-" else "_" for c in device)
+    return directory / f"cuda-init-{safe}.lock"
 
 
 def _junit_family(config: pytest.Config) -> str:

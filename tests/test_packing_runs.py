@@ -159,7 +159,7 @@ def test_a_bad_budget_is_a_usage_error_naming_the_test(pytester, marker, message
         ("--spawn-gpu-memory", "banana", "command line option --spawn-gpu-memory"),
         ("--spawn-pack", "sometimes", "expected off, declared or auto"),
         ("--spawn-per-gpu", "0", "expected a whole number >= 1"),
-        ("--spawn-memory", "-3GiB", "command line option --spawn-memory"),
+        ("--spawn-memory", "3 parsecs", "command line option --spawn-memory"),
     ],
 )
 def test_a_bad_packing_option_is_a_usage_error(pytester, option, value, message):
@@ -247,6 +247,9 @@ FAKE_TORCH = {
             else:
                 _queued.append(fn)
 
+        def _lazy_init():
+            init()
+
         def init():
             global _initialized
             if _initialized:
@@ -268,8 +271,8 @@ FAKE_TORCH = {
         def max_memory_reserved(i):
             return 5 * 2**20
 
-        def synchronize():
-            pass
+        def synchronize(device=None):
+            assert _initialized
 
         def empty_cache():
             pass
