@@ -32,8 +32,6 @@ then a "targets" block with each target, the measured value and met/missed.
 
 from __future__ import annotations
 
-import argparse
-import io
 import itertools
 import json
 import os
@@ -50,6 +48,8 @@ from dataclasses import dataclass
 from dataclasses import field
 from pathlib import Path
 from typing import Any
+
+from speed import script_parser
 
 BUSY_TESTS = 8
 ZERO_TESTS = 3
@@ -387,13 +387,7 @@ def span(r: Run) -> float:
 
 
 def main() -> None:
-    if isinstance(sys.stdout, io.TextIOWrapper):
-        sys.stdout.reconfigure(line_buffering=True)
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.split("\n")[1:]),
-    )
+    parser = script_parser(__doc__)
     parser.add_argument(
         "--clean-conftest",
         action="store_true",

@@ -293,10 +293,23 @@ class Outcome:
     passed: int
     failed: int
     timed_out: bool
+    returncode: int | None = None
+    #: The last lines of stdout and of stderr (what a failed run said).
+    last_lines: str = ""
 
 
-def run(folder: Path, args: list[str], timeout: float, log: Path | None) -> Outcome:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(folder), *args]
+def run(
+    folder: Path,
+    args: list[str],
+    timeout: float,
+    log: Path | None,
+    *,
+    env: dict[str, str] | None = None,
+    cache: bool = False,
+) -> Outcome:
+    """One pytest run on ``folder``; ``cache``: with pytest's cache (else ``no:cacheprovider``)."""
+    nocache = [] if cache else ["-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-q", *nocache, str(folder), *args]
     start = time.perf_counter()
     # Own session: on a timeout, SIGTERM lets spawnrun end its children, then SIGKILL.
     proc = subprocess.Popen(
@@ -306,6 +319,7 @@ def run(folder: Path, args: list[str], timeout: float, log: Path | None) -> Outc
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        env=env,
     )
     timed_out = False
     try:
@@ -325,7 +339,9 @@ def run(folder: Path, args: list[str], timeout: float, log: Path | None) -> Outc
     tail = lines[-1].strip()[-200:]
     if timed_out:
         tail = f"TIMED OUT after {timeout:.0f}s: {tail}"
-    return Outcome(wall, tail, _count(r"(\d+) passed", tail), _failures(tail), timed_out)
+    last = "\n".join([*stdout.strip().splitlines()[-12:], *stderr.strip().splitlines()[-8:]])
+    passed = _count(r"(\d+) passed", tail)
+    return Outcome(wall, tail, passed, _failures(tail), timed_out, proc.returncode, last)
 
 
 def _count(pattern: str, text: str) -> int:
@@ -430,14 +446,19 @@ class Results:
         return (mine - self.runs[(suite, "plain")][rnd].wall) / self.n
 
 
-def main() -> None:
+def script_parser(doc: str) -> argparse.ArgumentParser:
+    """Line-buffered stdout, and a parser whose help is the script's docstring ``doc``."""
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(line_buffering=True)
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n")[0],
+    return argparse.ArgumentParser(
+        description=doc.split("\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="\n".join(__doc__.split("\n")[1:]),
+        epilog="\n".join(doc.split("\n")[1:]),
     )
+
+
+def main() -> None:
+    parser = script_parser(__doc__)
     parser.add_argument("-n", type=int, default=20, help="tests per suite (default 20)")
     parser.add_argument("-r", "--repeat", type=int, default=3, help="repetitions (default 3)")
     parser.add_argument("--gpu", action="store_true", help="also the CUDA suites")
