@@ -58,7 +58,11 @@ class ChildTraceback(Exception):
 
 
 class CallError(Exception):
-    """The function raised an exception that cannot be rebuilt in the caller."""
+    """What came of the call cannot be brought to the caller.
+
+    The function raised an exception that cannot be rebuilt here, or returned a result
+    that cannot be pickled in the child or unpickled here.
+    """
 
 
 class CallFailed(RuntimeError):
@@ -352,6 +356,12 @@ def _unpack(name: str, answer: tuple[Any, ...]) -> Any:
             raise CallError(
                 f"spawnrun.call: the result of {name} cannot be unpickled here"
             ) from exc
+    if answer[0] == "unsendable":
+        _, type_name, problem = answer
+        raise CallError(
+            f"spawnrun.call: {name} returned, but its result (a {type_name}) could not be "
+            f"sent back to the caller: pickling it failed with {problem}"
+        )
     _, data, type_name, message, text = answer
     error: object = None
     with contextlib.suppress(Exception):

@@ -23,6 +23,7 @@ INNER = """
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -114,6 +115,21 @@ def test_call_alone_runs_the_function():
     assert spawnrun.call(answer) == 42
 
 
+def make_lock():
+    return threading.Lock()
+
+
+def test_result_that_cannot_be_sent_back():
+    with pytest.raises(spawnrun.CallError) as excinfo:
+        spawnrun.call(make_lock)
+    assert str(excinfo.value) == (
+        "spawnrun.call: test_inner.make_lock returned, but its result (a _thread.lock) could "
+        "not be sent back to the caller: pickling it failed with "
+        "TypeError: cannot pickle '_thread.lock' object"
+    )
+    assert not getattr(excinfo.value, "__notes__", None)  # nothing was raised in the child
+
+
 def test_crashes():
     try:
         spawnrun.call(segv, timeout=1e300)
@@ -134,7 +150,7 @@ def test_call_from_parent_and_spawned_test(pytester, monkeypatch):
     monkeypatch.delenv("SPAWNRUN_CHILD", raising=False)
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=8, failed=3)
+    result.assert_outcomes(passed=9, failed=3)
     result.stdout.no_fnmatch_line(NO_INTERNAL)
     # The child's traceback, with its file and source lines, is the exception's cause.
     result.stdout.fnmatch_lines(
