@@ -20,12 +20,13 @@ __all__ = [
     "CallTimeout",
     "ChildTraceback",
     "call",
+    "in_child",
     "is_child",
     "__version__",
 ]
 #: Loaded from ``spawnrun._call`` on first use, so importing the package stays cheap.
 _CALL_NAMES = frozenset(
-    {"call", "CallCrashed", "CallError", "CallFailed", "CallTimeout", "ChildTraceback"}
+    {"call", "in_child", "CallCrashed", "CallError", "CallFailed", "CallTimeout", "ChildTraceback"}
 )
 
 #: Set to ``"1"`` in the environment of every spawned test process.

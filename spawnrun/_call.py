@@ -58,7 +58,11 @@ class ChildTraceback(Exception):
 
 
 class CallError(Exception):
-    """The function raised an exception that cannot be rebuilt in the caller."""
+    """What came of the call cannot be brought to the caller.
+
+    The function raised an exception that cannot be rebuilt here, or returned a result
+    that cannot be pickled in the child or unpickled here.
+    """
 
 
 class CallFailed(RuntimeError):
@@ -87,61 +91,78 @@ for _cls in (ChildTraceback, CallError, CallFailed, CallCrashed, CallTimeout):
     _cls.__module__ = "spawnrun"
 
 
-@overload
-def call(fn: Callable[P, R], /) -> Callable[P, R]: ...
-@overload
 def call(
-    *, devices: Devices = None, timeout: float | None = None
-) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
-@overload
-def call(
-    fn: Callable[..., R],
+    fn: Callable[..., R] | None = None,
     /,
     *args: Any,
     devices: Devices = None,
     timeout: float | None = None,
     **kwargs: Any,
-) -> R: ...
-def call(fn: Any = None, /, *args: Any, **kwargs: Any) -> Any:
-    """Run ``fn(*args, **kwargs)`` in a fresh spawn child and return its result.
+) -> R:
+    """Run ``fn(*args, **kwargs)`` in a fresh spawn child now and return its result.
 
-    Given a function and nothing else (``@spawnrun.call``), or only options
-    (``@spawnrun.call(devices=0, timeout=60)``), it is a decorator instead: calling the
-    decorated function runs it in a child. ``devices``: None keeps the caller's
-    ``CUDA_VISIBLE_DEVICES``; a str, an int or a sequence sets it for the child (an empty
-    sequence: no device). ``timeout``: seconds; None, 0 or inf for no limit.
+    It always runs ``fn``, also with no arguments (``call(fn)`` is ``fn()`` in a child):
+    the decorator is ``in_child``. ``devices``: None keeps the caller's
+    ``CUDA_VISIBLE_DEVICES``; a str, an int or a sequence of device ids sets it for the
+    child (an empty one: no device). ``timeout``: seconds; None, 0 or inf for no limit.
     """
     __tracebackhide__ = True
-    # Options are told apart from the function's own keywords by presence, not value:
-    # call(fn) alone is the bare decorator, call(fn, timeout=None) runs fn now.
-    only_fn = not args and not kwargs
-    visible = _visible_devices(kwargs.pop("devices", None))
-    limit = _limit(kwargs.pop("timeout", None))
+    visible = _visible_devices(devices)
+    limit = _limit(timeout)
     if fn is None:
-        if args or kwargs:
-            raise TypeError("spawnrun.call: arguments given but no function to call")
-        return functools.partial(_decorate, visible=visible, limit=limit)
+        raise TypeError(
+            "spawnrun.call: no function to call; to decorate a function, use "
+            "@spawnrun.in_child or @spawnrun.in_child(devices=..., timeout=...)"
+        )
     if not callable(fn):
         raise TypeError(f"spawnrun.call: {fn!r} is not callable")
-    if only_fn:
-        return _decorate(fn, visible, limit)
-    return _run(fn, args, kwargs, visible, limit)
+    result: R = _run(fn, args, kwargs, visible, limit)
+    return result
+
+
+@overload
+def in_child(fn: Callable[P, R], /) -> Callable[P, R]: ...
+@overload
+def in_child(
+    *, devices: Devices = None, timeout: float | None = None
+) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+def in_child(fn: Any = None, /, *, devices: Devices = None, timeout: float | None = None) -> Any:
+    """Decorate a function so that each call of it runs in a fresh spawn child.
+
+    ``@spawnrun.in_child`` or, with options, ``@spawnrun.in_child(devices=0, timeout=60)``
+    (the options of ``call``). Decorating runs nothing; calling the decorated function
+    is ``spawnrun.call(fn, *args, **kwargs)`` with those options.
+    """
+    visible = _visible_devices(devices, "spawnrun.in_child")
+    limit = _limit(timeout, "spawnrun.in_child")
+    if fn is None:
+        return functools.partial(_decorate, visible=visible, limit=limit)
+    if not callable(fn):
+        raise TypeError(
+            f"spawnrun.in_child: {fn!r} is not callable; it takes the function to decorate, "
+            "or keyword options only (devices=, timeout=)"
+        )
+    return _decorate(fn, visible, limit)
 
 
 def _decorate(fn: Callable[P, R], visible: str | None, limit: float | None) -> Callable[P, R]:
     # functools.wraps stores fn as __wrapped__; the module attribute now names the
     # wrapper, so cloudpickle ships fn by value, never as a reference to the wrapper.
     @functools.wraps(fn)
-    def in_child(*args: P.args, **kwargs: P.kwargs) -> R:
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         __tracebackhide__ = True
         result: R = _run(fn, args, kwargs, visible, limit)
         return result
 
-    return in_child
+    return wrapper
 
 
-def _visible_devices(devices: object) -> str | None:
-    """``CUDA_VISIBLE_DEVICES`` for the child, or None to keep the caller's."""
+def _visible_devices(devices: object, who: str = "spawnrun.call") -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` for the child, or None to keep the caller's.
+
+    Each item is a device id as ``--spawn-gpus`` takes one: an index or a ``GPU-``/``MIG-``
+    UUID, each once (a device listed twice is a mistake CUDA would not report).
+    """
     if devices is None:
         return None
     if isinstance(devices, str):
@@ -152,34 +173,41 @@ def _visible_devices(devices: object) -> str | None:
         items = [devices]
     else:
         raise TypeError(
-            "spawnrun.call: devices= takes None, a str such as '0,1', an int or a list/tuple "
+            f"{who}: devices= takes None, a str such as '0,1', an int or a list/tuple "
             f"of ints and device names, not {type(devices).__name__}"
         )
-    names = []
+    from spawnrun._devices import _is_device_id as is_device_id
+
+    names: list[str] = []
     for item in items:
         if isinstance(item, bool) or not isinstance(item, (int, str)):
-            raise TypeError(f"spawnrun.call: devices= item {item!r} is not an int or a str")
-        text = str(item).strip()
+            raise TypeError(f"{who}: devices= item {item!r} is not an int or a str")
         if isinstance(item, int) and item < 0:
-            raise ValueError(f"spawnrun.call: devices= item {item} is negative")
-        if not text or "," in text or any(c.isspace() for c in text):
-            raise ValueError(f"spawnrun.call: devices= item {item!r} is not a device")
+            raise ValueError(f"{who}: devices= item {item} is negative")
+        text = str(item).strip()
+        if not is_device_id(text):
+            raise ValueError(
+                f"{who}: devices= item {item!r} is not a device (an index such as 0, or a "
+                "GPU-/MIG- UUID)"
+            )
+        if text in names:
+            raise ValueError(f"{who}: devices= lists device {text} more than once")
         names.append(text)
     return ",".join(names)
 
 
-def _limit(timeout: object) -> float | None:
+def _limit(timeout: object, who: str = "spawnrun.call") -> float | None:
     """The timeout in seconds, or None for no limit."""
     if timeout is None:
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"spawnrun.call: timeout= takes seconds, not {type(timeout).__name__}")
+        raise TypeError(f"{who}: timeout= takes seconds, not {type(timeout).__name__}")
     try:
         seconds = float(timeout)
     except OverflowError:  # an int beyond float: no limit in practice
         return None
     if math.isnan(seconds) or seconds < 0:
-        raise ValueError(f"spawnrun.call: timeout={timeout!r} is not a number of seconds >= 0")
+        raise ValueError(f"{who}: timeout={timeout!r} is not a number of seconds >= 0")
     return None if seconds == 0 or math.isinf(seconds) else seconds
 
 
@@ -328,6 +356,12 @@ def _unpack(name: str, answer: tuple[Any, ...]) -> Any:
             raise CallError(
                 f"spawnrun.call: the result of {name} cannot be unpickled here"
             ) from exc
+    if answer[0] == "unsendable":
+        _, type_name, problem = answer
+        raise CallError(
+            f"spawnrun.call: {name} returned, but its result (a {type_name}) could not be "
+            f"sent back to the caller: pickling it failed with {problem}"
+        )
     _, data, type_name, message, text = answer
     error: object = None
     with contextlib.suppress(Exception):

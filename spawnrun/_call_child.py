@@ -45,13 +45,13 @@ def main(payload: bytes, conn: Connection, workdir: str) -> None:
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
     answer: tuple[Any, ...]
     try:
-        import cloudpickle
-
         fn, args, kwargs, filename = pickle.loads(payload)
         _refile(fn, filename)
-        answer = ("returned", cloudpickle.dumps(fn(*args, **kwargs)))
+        result = fn(*args, **kwargs)
     except BaseException as exc:  # noqa: BLE001 - the caller gets every failure
         answer = _raised(exc)
+    else:
+        answer = _returned(result)
     with conn:
         conn.send(answer)
 
@@ -75,6 +75,26 @@ def _with_filename(code: types.CodeType, filename: str) -> types.CodeType:
         _with_filename(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts
     )
     return code.replace(co_filename=filename, co_consts=consts)
+
+
+def _returned(result: object) -> tuple[Any, ...]:
+    """The result, pickled; or, if it cannot be, what it was and why it cannot travel."""
+    import cloudpickle
+
+    try:
+        return ("returned", cloudpickle.dumps(result))
+    except BaseException as exc:  # noqa: BLE001 - the function did return: say so
+        try:
+            problem = f"{_type_name(exc)}: {exc}"
+        except Exception:  # noqa: BLE001 - a str() that fails too
+            problem = _type_name(exc)
+        return ("unsendable", _type_name(result), problem)
+
+
+def _type_name(obj: object) -> str:
+    kind = type(obj)
+    module = kind.__module__
+    return kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
 
 
 def _raised(exc: BaseException) -> tuple[Any, ...]:

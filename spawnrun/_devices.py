@@ -184,19 +184,22 @@ def parse_gpus(value: object, source: str) -> str:
     """Validate a ``--spawn-gpus`` value: auto, none, a count, or a comma list of device ids.
 
     An id is an index (``0``) or a UUID as ``CUDA_VISIBLE_DEVICES`` takes it
-    (``GPU-...``, ``MIG-...``); each may appear once.
+    (``GPU-...``, ``MIG-...``); each may appear once. A bare number is a count; a list may
+    end with a comma, which is how one index alone is written (``0,``: device 0).
+    The value is kept in that form: a single index keeps its comma.
     """
     text = str(value).strip()
     if text.lower() in ("auto", "none") or text.isdigit():
         return text.lower()
-    ids = [t.strip() for t in text.split(",")]
+    listed = text[:-1] if text.endswith(",") else text
+    ids = [t.strip() for t in listed.split(",")]
     bad = [t for t in ids if not _is_device_id(t)]
-    if not text or bad:
-        shown = ", ".join(repr(t) for t in bad) if text else "nothing"
+    if not listed or bad:
+        shown = ", ".join(repr(t) for t in bad) if listed else "nothing"
         raise pytest.UsageError(
             f"{source}: expected auto, none, a count or a comma-separated list of "
-            f"device ids (indices such as 0,1 or GPU-/MIG- UUIDs), got {value!r} "
-            f"({shown} is no device id)"
+            f"device ids (indices such as 0,1 or GPU-/MIG- UUIDs; one index alone: 0,), "
+            f"got {value!r} ({shown} is no device id)"
         )
     repeated = sorted({t for t in ids if ids.count(t) > 1})
     if repeated:
@@ -204,7 +207,8 @@ def parse_gpus(value: object, source: str) -> str:
             f"{source}: device {', '.join(repeated)} is listed more than once in {value!r}; "
             "each device is handed to one test at a time"
         )
-    return ",".join(ids)
+    joined = ",".join(ids)
+    return joined + "," if joined.isdigit() else joined
 
 
 def _is_device_id(text: str) -> bool:
@@ -231,7 +235,8 @@ def inventory(setting: str, environ: Mapping[str, str]) -> Inventory:
                 f"({', '.join(found.ids)}, {found.source})"
             )
         return Inventory(tuple(str(i) for i in range(n)), f"--spawn-gpus {n}, trusted as given")
-    return Inventory(tuple(setting.split(",")), "declared with --spawn-gpus, trusted as given")
+    ids = tuple(t for t in setting.split(",") if t)  # "0,": device 0 alone
+    return Inventory(ids, "declared with --spawn-gpus, trusted as given")
 
 
 # Allocation --------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from typing import Any
 from spawnrun import _protocol as proto
 from spawnrun import _reports
 from spawnrun import _runner
+from spawnrun import _settings
 from spawnrun import _zygote
 
 #: How long the template may take to import what it is told.
@@ -41,6 +42,10 @@ BOOT_LIMIT = 600.0
 FORK_LIMIT = 60.0
 
 OFF = "spawnrun: the forkserver is off and every test spawns from now on: {reason}"
+NOT_IMPORTED = (
+    "spawnrun: spawn_preload names {module} (from {source}), which the forkserver template "
+    "could not import ({error}); fast mode goes on without it"
+)
 TRIMMED = (
     "spawnrun: the forkserver leaves {module} out of its template: importing it made the "
     "template unsafe to fork ({reason}); children import it themselves"
@@ -65,6 +70,8 @@ class Zygote:
         self.exits: dict[int, int] = {}
         #: ZygoteReady answers still to come (one for the spec, one per Preload).
         self.pending = 1
+        #: Modules the template could not import ("name: error"), from every answer.
+        self.failed: list[str] = []
         self.closed = False
 
     def preload(self, modules: list[str]) -> None:
@@ -80,6 +87,7 @@ class Zygote:
             self.pending -= 1
             if not isinstance(reply, proto.ZygoteReady):
                 return proto.ZygoteReady(self.pid, f"it did not answer as expected: {reply!r}")
+            self.failed += reply.failed
             if reply.problem:
                 return reply
             answer = reply
@@ -281,9 +289,25 @@ class ZygoteHolder:
             kept = [m for m in self.optional if _top(m) not in self.excluded]
             self.zygote = self._make(self.base + kept)
             ready = self.zygote.ready()
+        self._not_imported(config)
         if ready.problem:
             after = f" (after importing {ready.culprit})" if ready.culprit else ""
             self._turn_off(config, f"the template cannot fork safely: {ready.problem}{after}")
+
+    def _not_imported(self, config: Any) -> None:
+        """Warn of each spawn_preload module the template could not import.
+
+        A warning, not an error: preloading only saves children an import (they import
+        what they need themselves), and one ini file often serves machines where an
+        optional library is not installed.
+        """
+        assert self.zygote is not None
+        for entry in self.zygote.failed:
+            name, _, error = entry.partition(": ")
+            if name in self.preload:
+                source = _settings.source_of(config, "preload")
+                text = NOT_IMPORTED.format(module=name, source=source, error=error)
+                _reports.record_warning(config, _reports.warning(text), "")
 
     def _turn_off(self, config: Any, reason: str) -> None:
         self.off = reason

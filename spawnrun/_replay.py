@@ -45,6 +45,8 @@ class Replay:
         self.xml_attributes: list[tuple[str, str]] = []
         #: (name, value) pairs added to every report: devices, wall time.
         self.properties: list[tuple[str, object]] = []
+        #: Whether ``pytest_runtest_logstart`` was called for this test.
+        self.started = False
 
     def enter(self, when: str) -> None:
         self.phase = when
@@ -151,7 +153,7 @@ class Replay:
         only the reports it made, as in-process pytest would show.
         """
         item = self.item
-        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        self.start()
         if self.xml_attributes:
             _xml_attributes(item, self.xml_attributes)
         if interrupted:
@@ -175,6 +177,31 @@ class Replay:
         for wm in self.warnings:
             _reports.record_warning(item.config, wm, item.nodeid)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
+    def start(self) -> None:
+        """Log the test's start (once): with -v, its node id line."""
+        if not self.started:
+            self.started = True
+            item = self.item
+            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+
+    def start_live(self) -> None:
+        """With -s, log the start before the child runs, as pytest does before a test.
+
+        The child writes straight to the parent's terminal; in-process, what a test
+        prints follows its node id line. Only for a test that runs alone: several at
+        once share the terminal, and their lines come in the order they end.
+        """
+        config = self.item.config
+        if config.getoption("capture") != "no":
+            return
+        self.start()
+        # The child writes to the terminal's file, not through this process's buffers.
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.flush()
+        with contextlib.suppress(Exception):  # a replaced or closed stdout
+            sys.stdout.flush()
 
     def _write(self, text: str) -> None:
         """Print what the child's terminal got, as pytest would have printed it."""

@@ -127,6 +127,8 @@ class Scheduler:
         job.turn(parent_error)
         if job.reported:
             # Its child died while booting ahead: that is the test's report.
+            if job not in self.jobs:  # it finished before its turn: count it now
+                self._count_test(job)
             job.replayed = True
             self._replay(job)
             return
@@ -186,6 +188,8 @@ class Scheduler:
                 self._replan(job, taken)
         job.held = list(job.claimed)
         self._note_sharing(job)
+        if self.limit == 1:
+            job.replay.start_live()  # -s: the node id line before what the test prints
         job.go()
         return True
 
@@ -387,8 +391,12 @@ class Scheduler:
 
     def _count(self, job: Job) -> None:
         self.children += job.children_started
-        if not job.turned:
-            return  # booted ahead for a test that did not run (-x, an interrupt)
+        if job.turned:
+            self._count_test(job)
+        # Else booted ahead: for a test that did not run (-x, an interrupt), or one whose
+        # turn is still to come (its child died meanwhile): counted at its turn.
+
+    def _count_test(self, job: Job) -> None:
         self.isolated += 1
         self.crashes += job.crashes
         self.timeouts += job.timeouts
@@ -425,7 +433,8 @@ class Scheduler:
         """The run summary's lines ([] when nothing was spawned)."""
         if not self.isolated:
             return []
-        first = f"{self.isolated} tests isolated in {self.children} children"
+        first = f"{_plural(self.isolated, 'test')} isolated in "
+        first += _plural(self.children, "child", "children")
         if self.boot_times:
             times = sorted(self.boot_times)
             first += f"; boot median {statistics.median(times):.2f}s, slowest {times[-1]:.2f}s"
@@ -438,7 +447,8 @@ class Scheduler:
         if self.timeouts:
             ends.append(f"{self.timeouts} timed out")
         if self.reaped:
-            ends.append(f"{self.reaped} process(es) left behind were reaped")
+            were = "was" if self.reaped == 1 else "were"
+            ends.append(f"{_plural(self.reaped, 'process', 'processes')} left behind {were} reaped")
         if ends:
             lines.append(", ".join(ends))
         lines += self._packing_lines(list_alone)
@@ -451,6 +461,10 @@ class Scheduler:
             if len(ranked) > peaks_shown:
                 lines.append(f"  ... and {len(ranked) - peaks_shown} more (junitxml has all)")
         return lines
+
+
+def _plural(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def _sleep(timeout: float | None) -> list[Any]:

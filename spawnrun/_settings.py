@@ -10,6 +10,7 @@ from __future__ import annotations
 import keyword
 import math
 import os
+import shlex
 from collections.abc import Callable
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -291,7 +292,7 @@ SETTINGS: tuple[Setting, ...] = (
         default="auto",
         parse=_devices.parse_gpus,
         help="GPUs to hand out: auto (CUDA_VISIBLE_DEVICES, NVML, nvidia-smi), none, "
-        "a count, or ids such as 0,1,3",
+        "a count, or ids such as 0,1,3 (device 0 alone: 0,)",
         metavar="GPUS",
     ),
     Setting(
@@ -485,10 +486,12 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
     """Resolve every setting once: default < ini < environment < command line."""
     environ = os.environ if environ is None else environ
     values = {s.name: _value(s, config, environ) for s in SETTINGS}
-    # Both on the command line is a contradiction; --no-spawn over an ini or
-    # environment spawn_gpu is the debugging escape hatch and wins.
+    # --no-spawn over an ini or environment spawn_gpu is the debugging escape hatch and
+    # wins. Both as options: the one given where pytest gives precedence wins (addopts
+    # are options too); both in one place is a contradiction.
     if config.getoption("spawnrun_spawn_gpu") and config.getoption("spawnrun_no_spawn"):
-        raise pytest.UsageError("--spawn-gpu and --no-spawn cannot be used together")
+        if _switch_given_last(config, environ) == "--spawn-gpu":
+            values["no_spawn"] = False
     forced = ""
     for opt, flag in (("usepdb", "--pdb"), ("trace", "--trace")):
         if config.getoption(opt, False):
@@ -499,6 +502,48 @@ def resolve(config: pytest.Config, environ: Mapping[str, str] | None = None) -> 
             break
     alias = forked_alias(config, values["marker"])
     return Settings(forced_inprocess=forced, forked_alias=alias, **values)
+
+
+def _option_sources(config: pytest.Config, environ: Mapping[str, str]) -> list[tuple[str, Any]]:
+    """Where pytest's options come from, in the order pytest joins them (the last wins)."""
+    try:
+        env = shlex.split(environ.get("PYTEST_ADDOPTS", ""))
+    except ValueError:  # pytest read it already; unreadable here means not there
+        env = []
+    return [
+        ("the ini option addopts", config.getini("addopts") or []),
+        ("PYTEST_ADDOPTS", env),
+        ("the command line", config.invocation_params.args),
+    ]
+
+
+def _switch_given_last(config: pytest.Config, environ: Mapping[str, str]) -> str:
+    """Of --spawn-gpu and --no-spawn, both set, the one given at the highest level."""
+    for source, args in reversed(_option_sources(config, environ)):
+        args = [str(a) for a in args]
+        options = args[: args.index("--")] if "--" in args else args
+        given = [s for s in ("--spawn-gpu", "--no-spawn") if s in options]
+        if len(given) == 2:
+            raise pytest.UsageError(
+                f"--spawn-gpu and --no-spawn cannot be used together (both in {source})"
+            )
+        if given:
+            return given[0]
+    # Set some other way (an @file of arguments, a plugin): nothing says which wins.
+    raise pytest.UsageError("--spawn-gpu and --no-spawn cannot be used together")
+
+
+def source_of(config: pytest.Config, name: str, environ: Mapping[str, str] | None = None) -> str:
+    """Where the value of setting ``name`` came from, as its errors name it."""
+    environ = os.environ if environ is None else environ
+    s = {s.name: s for s in SETTINGS}[name]
+    if s.cli is not None and config.getoption(s.dest) is not None:
+        return f"command line option {s.cli}"
+    if s.env is not None and environ.get(s.env, "") != "":
+        return f"environment variable {s.env}"
+    if s.ini is not None and config.getini(s.ini) not in (None, "", []):
+        return f"ini option {s.ini!r}"
+    return "the default"
 
 
 def marked(item: pytest.Item, settings: Settings) -> bool:

@@ -462,6 +462,43 @@ def test_capture_no_streams_child_output_live(pytester):
     result.stdout.fnmatch_lines(["*LIVE-FROM-CHILD*"])
 
 
+LIVE_ORDER = """
+import pytest
+
+@pytest.mark.gpu(count=0)
+def test_spawned():
+    print("from the first spawned test")
+
+def test_in_process():
+    print("from the test in-process")
+
+@pytest.mark.gpu(count=0)
+def test_spawned_again():
+    print("from the second", end=" ")
+    print("spawned test")
+"""
+
+
+@pytest.mark.parametrize("verbosity", [["-v"], []])
+def test_capture_no_output_comes_where_in_process_puts_it(pytester, verbosity):
+    # In-process, what a test prints follows pytest's line for it (its node id with -v,
+    # its file's name by default); a spawned test's live output, running alone, too.
+    pytester.makepyfile(test_live=LIVE_ORDER)
+
+    def tests_part(*args: str) -> list[str]:
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", *verbosity, *args)
+        result.assert_outcomes(passed=3)
+        lines = result.stdout.lines
+        # From the line after "collected 3 items" (the header differs) to the summary.
+        start = next((i + 1 for i, line in enumerate(lines) if "collected" in line), 0)
+        ends = ("===", "---")
+        end = next(i for i in range(start, len(lines)) if lines[i].startswith(ends))
+        assert end - start >= 3  # what the tests printed, at least
+        return lines[start:end]
+
+    assert tests_part("--spawn-jobs", "1") == tests_part("--no-spawn")
+
+
 def test_child_module_does_not_import_parent_side(pytester):
     # The module map's rule: the child's entry point needs only the wire and pytest.
     import subprocess

@@ -23,6 +23,7 @@ INNER = """
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -48,12 +49,12 @@ def sleepy():
     time.sleep(300)
 
 
-@spawnrun.call
+@spawnrun.in_child
 def bare(x):
     return x, os.getpid(), os.environ.get("SPAWNRUN_CHILD")
 
 
-@spawnrun.call(devices=5, timeout=60)
+@spawnrun.in_child(devices=5, timeout=60)
 def with_options():
     return os.environ.get("CUDA_VISIBLE_DEVICES"), "pytest" in sys.modules
 
@@ -105,6 +106,30 @@ def test_raises():
     spawnrun.call(deep, 7)
 
 
+def answer():
+    return 42
+
+
+def test_call_alone_runs_the_function():
+    # No arguments, no options: it runs now (it is not a decorator).
+    assert spawnrun.call(answer) == 42
+
+
+def make_lock():
+    return threading.Lock()
+
+
+def test_result_that_cannot_be_sent_back():
+    with pytest.raises(spawnrun.CallError) as excinfo:
+        spawnrun.call(make_lock)
+    assert str(excinfo.value) == (
+        "spawnrun.call: test_inner.make_lock returned, but its result (a _thread.lock) could "
+        "not be sent back to the caller: pickling it failed with "
+        "TypeError: cannot pickle '_thread.lock' object"
+    )
+    assert not getattr(excinfo.value, "__notes__", None)  # nothing was raised in the child
+
+
 def test_crashes():
     try:
         spawnrun.call(segv, timeout=1e300)
@@ -125,7 +150,7 @@ def test_call_from_parent_and_spawned_test(pytester, monkeypatch):
     monkeypatch.delenv("SPAWNRUN_CHILD", raising=False)
     pytester.makepyfile(test_inner=INNER)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(passed=7, failed=3)
+    result.assert_outcomes(passed=9, failed=3)
     result.stdout.no_fnmatch_line(NO_INTERNAL)
     # The child's traceback, with its file and source lines, is the exception's cause.
     result.stdout.fnmatch_lines(
@@ -180,12 +205,12 @@ def triple(x):
     return x * scale, os.environ["SPAWNRUN_CHILD"], sleeper
 
 
-@spawnrun.call
+@spawnrun.in_child
 def bare():
     return os.getpid()
 
 
-@spawnrun.call(devices=[1], timeout=60)
+@spawnrun.in_child(devices=[1], timeout=60)
 def with_options():
     return os.environ["CUDA_VISIBLE_DEVICES"]
 
@@ -275,6 +300,11 @@ def _never_run() -> None:
         ({"devices": "0,,1"}, ValueError, "devices= item '' is not a device"),
         ({"devices": [1.5]}, TypeError, "devices= item 1.5 is not an int or a str"),
         ({"devices": ["0 1"]}, ValueError, "is not a device"),
+        ({"devices": "banana"}, ValueError, "devices= item 'banana' is not a device"),
+        ({"devices": ["-1"]}, ValueError, "devices= item '-1' is not a device"),
+        ({"devices": "GPU-"}, ValueError, "devices= item 'GPU-' is not a device"),
+        ({"devices": [0, 0]}, ValueError, "devices= lists device 0 more than once"),
+        ({"devices": "1,GPU-ab,1"}, ValueError, "devices= lists device 1 more than once"),
         ({"timeout": -1}, ValueError, "timeout=-1 is not a number of seconds >= 0"),
         ({"timeout": math.nan}, ValueError, "timeout=nan"),
         ({"timeout": "5"}, TypeError, "timeout= takes seconds, not str"),
@@ -283,17 +313,56 @@ def _never_run() -> None:
 )
 def test_invalid_options_are_refused_before_any_child(options, error, words):
     # Validation happens before anything is pickled or started, so this runs in-process.
-    with pytest.raises(error, match=f"^spawnrun.call: .*{words}".replace("(", r"\(")):
+    pattern = f"{words}".replace("(", r"\(")
+    with pytest.raises(error, match=f"^spawnrun.call: .*{pattern}"):
         spawnrun.call(_never_run, **options)
-    with pytest.raises(error):
-        spawnrun.call(**options)
+    with pytest.raises(error, match=f"^spawnrun.in_child: .*{pattern}"):
+        spawnrun.in_child(**options)
+    with pytest.raises(error, match=f"^spawnrun.in_child: .*{pattern}"):
+        spawnrun.in_child(_never_run, **options)
 
 
-def test_not_callable_and_arguments_without_function():
+def test_not_callable_and_no_function():
     with pytest.raises(TypeError, match="is not callable"):
         spawnrun.call(42, 1)
-    with pytest.raises(TypeError, match="arguments given but no function"):
-        spawnrun.call(None, 1)
+    with pytest.raises(TypeError, match="is not callable"):
+        spawnrun.in_child(42)  # type: ignore[call-overload]
+    # Options without a function: call says where the decorator is.
+    for options in ({}, {"devices": 0, "timeout": 5}):
+        with pytest.raises(TypeError, match=r"no function to call.*@spawnrun.in_child"):
+            spawnrun.call(**options)
+    with pytest.raises(TypeError):
+        spawnrun.in_child(_never_run, 1)  # type: ignore[call-overload]
+
+
+def test_call_always_runs_and_in_child_runs_only_when_called(monkeypatch):
+    # The silent pass: `assert spawnrun.call(gpu_is_free)` must run gpu_is_free, whatever
+    # arguments it gets; decorating runs nothing until the decorated function is called.
+    runs: list[tuple[object, ...]] = []
+
+    def fake_run(fn, args, kwargs, visible, limit):
+        runs.append((fn, args, kwargs, visible, limit))
+        return "ran"
+
+    monkeypatch.setattr(_call, "_run", fake_run)
+
+    def gpu_is_free() -> bool:
+        raise AssertionError("runs in the child, not here")
+
+    assert spawnrun.call(gpu_is_free) == "ran"
+    assert runs == [(gpu_is_free, (), {}, None, None)]
+    assert spawnrun.call(gpu_is_free, 1, timeout=5, key="v") == "ran"
+    assert runs[-1] == (gpu_is_free, (1,), {"key": "v"}, None, 5.0)
+    runs.clear()
+    bare = spawnrun.in_child(gpu_is_free)
+    with_options = spawnrun.in_child(devices=[0, "GPU-ab"], timeout=60)(gpu_is_free)
+    assert runs == [] and bare.__name__ == with_options.__name__ == "gpu_is_free"
+    assert bare(3) == with_options(x=1) == "ran"
+    assert runs == [
+        (gpu_is_free, (3,), {}, None, None),
+        (gpu_is_free, (), {"x": 1}, "0,GPU-ab", 60.0),
+    ]
+    assert "in_child" in spawnrun.__all__ and spawnrun.in_child is _call.in_child
 
 
 @pytest.mark.parametrize(

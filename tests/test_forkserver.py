@@ -92,6 +92,37 @@ def test_unsafe_preload_turns_the_zygote_off(pytester, fakedevice, kind):
     assert not _forked(pytester, 3)
 
 
+@pytest.mark.parametrize(
+    "how, source",
+    [
+        (("--spawn-preload", "nonexistent_mod"), "command line option --spawn-preload"),
+        (("-o", "spawn_preload=json nonexistent_mod"), "ini option 'spawn_preload'"),
+    ],
+)
+def test_a_preload_module_that_cannot_be_imported_is_named(pytester, how, source):
+    # A warning, and fast mode goes on: preloading only saves the children an import.
+    pytester.makeconftest(RECORD_PARENT)
+    pytester.makepyfile(
+        test_x="""
+        import json, os, pytest
+
+        @pytest.mark.gpu(count=0)
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_x(x):
+            with open(f"where{x}.json", "w") as f:
+                json.dump([os.getpid(), os.getppid()], f)
+        """
+    )
+    result = _run_fast(pytester, *how, "-W", "default")
+    result.assert_outcomes(passed=2, warnings=1)
+    text = _forkserver.NOT_IMPORTED.format(
+        module="nonexistent_mod", source=source, error="ModuleNotFoundError(*nonexistent_mod*)"
+    )
+    result.stdout.fnmatch_lines([f"*{text}*"])
+    result.stdout.no_fnmatch_line("*forkserver is off*")
+    assert _forked(pytester, 2)
+
+
 @pytest.mark.parametrize("how", ["collection", "plugin"])
 def test_template_leaves_out_a_library_that_starts_a_thread(pytester, monkeypatch, how):
     # Libraries outside the rootdir, imported by the collection or loaded as plugins, are

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from spawnrun import _devices
 from spawnrun import _settings
 
 
@@ -23,10 +25,13 @@ class FakeConfig:
         ini: dict[str, str] | None = None,
         cli: dict[str, object] | None = None,
         plugins: set[str] | None = None,
+        argv: list[str] | None = None,
     ):
         self.ini = ini or {}
         self.cli = cli or {}
         self.pluginmanager = FakePluginManager(plugins or set())
+        #: What was typed: cli holds it merged with addopts, as config.getoption does.
+        self.invocation_params = SimpleNamespace(args=tuple(argv or ()))
 
     def getini(self, name: str) -> object:
         return self.ini.get(name)
@@ -35,8 +40,9 @@ class FakeConfig:
         return self.cli.get(name.removeprefix("spawnrun_"), default)
 
 
-def resolve(ini=None, cli=None, env=None, plugins=None) -> _settings.Settings:
-    return _settings.resolve(FakeConfig(ini, cli, plugins), env or {})  # type: ignore[arg-type]
+def resolve(ini=None, cli=None, env=None, plugins=None, argv=None) -> _settings.Settings:
+    config = FakeConfig(ini, cli, plugins, argv)
+    return _settings.resolve(config, env or {})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -167,3 +173,87 @@ def test_default_lookahead_follows_cpus_and_memory(cpus, free_gib, expected):
 def test_huge_timeouts_mean_no_limit(value):
     # A deadline that far would overflow the event loop's waits (OverflowError).
     assert _settings.parse_timeout(value, "test") is None
+
+
+BOTH = {"spawn_gpu": True, "no_spawn": True}
+
+
+@pytest.mark.parametrize(
+    "addopts, env_addopts, argv, spawns",
+    [
+        # The command line over addopts (ini) and PYTEST_ADDOPTS, as pytest itself orders them.
+        ("--spawn-gpu", "", ["--no-spawn"], False),
+        ("--no-spawn", "", ["--spawn-gpu", "tests"], True),
+        ("", "--spawn-gpu", ["--no-spawn"], False),
+        ("", "--no-spawn -q", ["-v", "--spawn-gpu"], True),
+        # PYTEST_ADDOPTS over the ini's addopts.
+        ("--no-spawn", "--spawn-gpu", [], True),
+        ("--spawn-gpu", "--no-spawn", ["-v"], False),
+        # After "--" come file names, not options.
+        ("--no-spawn", "", ["--spawn-gpu", "--", "--no-spawn"], True),
+    ],
+)
+def test_spawn_switches_from_addopts_yield_to_the_command_line(addopts, env_addopts, argv, spawns):
+    ini = {"addopts": addopts.split()} if addopts else {}
+    env = {"PYTEST_ADDOPTS": env_addopts} if env_addopts else {}
+    settings = resolve(ini=ini, cli=BOTH, env=env, argv=argv)
+    assert (settings.spawn_gpu and not settings.no_spawn) is spawns
+    assert settings.no_spawn is not spawns
+
+
+@pytest.mark.parametrize(
+    "addopts, env_addopts, argv, where",
+    [
+        ("", "", ["--spawn-gpu", "--no-spawn"], "both in the command line"),
+        ("--spawn-gpu --no-spawn", "", [], "both in the ini option addopts"),
+        ("", "--no-spawn --spawn-gpu", [], "both in PYTEST_ADDOPTS"),
+        ("--spawn-gpu --no-spawn", "", ["--spawn-gpu", "--no-spawn"], "both in the command line"),
+        ("", "", [], "together$"),  # set some other way: nothing says which wins
+    ],
+)
+def test_both_spawn_switches_in_one_place_are_a_usage_error(addopts, env_addopts, argv, where):
+    ini = {"addopts": addopts.split()} if addopts else {}
+    env = {"PYTEST_ADDOPTS": env_addopts} if env_addopts else {}
+    with pytest.raises(pytest.UsageError, match=f"^--spawn-gpu and --no-spawn cannot .*{where}"):
+        resolve(ini=ini, cli=BOTH, env=env, argv=argv)
+
+
+def test_no_spawn_on_the_command_line_wins_over_addopts(pytester):
+    pytester.makeini("[pytest]\naddopts = --spawn-gpu\n")
+    pytester.makepyfile("import spawnrun\ndef test_x():\n    assert not spawnrun.is_child()\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--no-spawn")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["spawnrun: --no-spawn given, every test runs in-process"])
+
+
+@pytest.mark.parametrize(
+    "value, normal, ids",
+    [
+        ("0", "0", ()),  # a count: zero devices
+        ("0,", "0,", ("0",)),  # device 0 alone
+        (" 3 , ", "3,", ("3",)),
+        ("0,1,", "0,1", ("0", "1")),
+        ("GPU-ab,", "GPU-ab", ("GPU-ab",)),
+    ],
+)
+def test_one_device_id_alone_is_written_with_a_trailing_comma(value, normal, ids):
+    assert _devices.parse_gpus(value, "--spawn-gpus") == normal
+    assert _devices.inventory(normal, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}).ids == ids
+
+
+@pytest.mark.parametrize("bad", [",", "0,,", ",0", "0,1,,"])
+def test_a_comma_without_a_device_is_refused(bad):
+    with pytest.raises(pytest.UsageError, match=r"one index alone: 0,\), got"):
+        _devices.parse_gpus(bad, "--spawn-gpus")
+
+
+def test_source_of_names_where_a_value_came_from():
+    def source(ini=None, cli=None, env=None) -> str:
+        config = FakeConfig(ini, cli)
+        return _settings.source_of(config, "preload", env or {})  # type: ignore[arg-type]
+
+    assert source() == "the default"
+    assert source(ini={"spawn_preload": "a"}) == "ini option 'spawn_preload'"
+    env = {"SPAWNRUN_PRELOAD": "b"}
+    assert source(ini={"spawn_preload": "a"}, env=env) == "environment variable SPAWNRUN_PRELOAD"
+    assert source(env=env, cli={"preload": "c"}) == "command line option --spawn-preload"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+import pytest
+
 SUITE = """
 import os, signal, subprocess, sys, time, pytest
 
@@ -42,7 +44,7 @@ def test_summary_and_junitxml_say_what_spawnrun_did(pytester, fake_torch):
         [
             "*- spawnrun -*",
             "5 tests isolated in 5 children; boot median *s, slowest *s",
-            "1 crashed, 1 timed out, 1 process(es) left behind were reaped",
+            "1 crashed, 1 timed out, 1 process left behind was reaped",
             "peak GPU memory per test (torch's caching allocator, reserved):",
             "  5.0 MiB  test_s.py::test_uses_cuda*",
         ]
@@ -67,3 +69,47 @@ def test_no_summary_when_nothing_was_spawned(pytester):
     result.assert_outcomes(passed=1)
     result.stdout.no_fnmatch_line("*spawnrun -*")
     result.stdout.no_fnmatch_line("*isolated*")
+
+
+FIRST = """
+import os, time, pytest
+
+@pytest.mark.gpu(count=0)
+def test_first():
+    # Until the next test's child, booted ahead meanwhile, has died.
+    deadline = time.monotonic() + 60
+    while not os.path.exists("died") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # and the parent has seen it go
+"""
+
+DIES = """
+import os, pytest, spawnrun
+
+if spawnrun.is_child():  # the child dies while it collects, before its turn
+    open("died", "w").close()
+    os._exit(3)
+
+@pytest.mark.gpu(count=0)
+def test_dies_booting():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "args, outcomes, first",
+    [
+        # The second test's child boots ahead during the first and dies before its turn.
+        ([], {"passed": 1, "errors": 1}, "2 tests isolated in 2 children; boot median *"),
+        # One test alone (no boot time: its child never booted).
+        (["test_b.py"], {"errors": 1}, "1 test isolated in 1 child"),
+    ],
+)
+def test_summary_counts_a_child_that_died_booting_ahead(pytester, args, outcomes, first):
+    pytester.makepyfile(test_a=FIRST, test_b=DIES)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-jobs", "1", "--spawn-lookahead", "1", *args
+    )
+    result.assert_outcomes(**outcomes)
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    result.stdout.fnmatch_lines(["*- spawnrun -*", first, "1 crashed"])
