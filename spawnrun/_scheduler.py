@@ -255,8 +255,7 @@ class Scheduler:
                     target.on_message(msg)
             elif kind == "exit" and target.child is not None and target.child.sentinel is key:
                 target.on_exit()
-            elif kind == "grave":
-                target.wait_exitcode(1.0)
+            elif kind == "grave":  # its pidfd: it has exited, reaping it does not wait
                 target.reaped()
                 self.graveyard.remove(target)
         now = time.monotonic()
@@ -344,9 +343,10 @@ class Scheduler:
             if job.held:
                 self.allocator.give_back(job.held)
         self.jobs, self.ahead = [], {}
+        end = time.monotonic() + 2.0  # for all of them together: SIGKILL is quick
         for child in self.graveyard:
             child.kill()
-            child.wait_exitcode(2.0)
+            child.wait_exitcode(max(0.0, end - time.monotonic()))
             child.reaped()
         self.graveyard = []
 

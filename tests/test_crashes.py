@@ -540,3 +540,66 @@ def test_a_librarys_own_shutdown_at_exit_is_let_finish(pytester):
     said = result.stdout.str() + result.stderr.str()
     assert "leaked" not in said
     assert "reaped" not in said
+
+
+# A test that writes into its child's pipe, or closes it, must not stall the parent: every
+# read of a child's pipe is non-blocking and every wait bounded. ``pipe`` is the child's
+# end of its pipe to the parent.
+WIRE_SUITE = """
+import os, pickle, struct, sys, time, pytest
+
+def pipe(request):
+    return request.config.pluginmanager.get_plugin("spawnrun-child").conn.fileno()
+
+STRAY = struct.pack("!i", 1000) + b"x"  # announces 1000 bytes, sends one
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_closes_its_fds():
+    os.closerange(3, 1024)
+    time.sleep(60)
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_stray_bytes(request):
+    os.write(pipe(request), STRAY)
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_stray_bytes_then_hangs(request):
+    os.write(pipe(request), STRAY)
+    time.sleep(60)
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_sends_a_class_the_parent_lacks(request, tmp_path):
+    (tmp_path / "childonly.py").write_text("class Thing:\\n    pass\\n")
+    sys.path.insert(0, str(tmp_path))
+    import childonly
+    data = pickle.dumps(childonly.Thing())
+    os.write(pipe(request), struct.pack("!i", len(data)) + data)
+    time.sleep(60)
+
+def test_in_process_after():
+    pass
+"""
+
+
+def test_what_a_test_does_to_its_pipe_never_stalls_the_parent(pytester):
+    pytester.makepyfile(test_wire=WIRE_SUITE)
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-rA", "--spawn-jobs", "4", timeout=90
+    )
+    wall = time.monotonic() - start
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1, failed=4)
+    unreadable = f"{_reports.DIED} during call: {_reports.UNREADABLE}"
+    result.stdout.fnmatch_lines_random(
+        [
+            f"*{_reports.DIED} during call: {_reports.PIPE_CLOSED}*",
+            f"*{unreadable} (a message could not be decoded: invalid load key*); it was killed",
+            f"*{unreadable} (a message could not be decoded: it holds a childonly.Thing, "
+            "which is not part of spawnrun's protocol*",
+            "*Timeout (>3 s) during call*",
+        ]
+    )
+    # Nothing waited for a sleep of the tests (60 s): each ended at its own event.
+    assert wall < 40, wall
+
