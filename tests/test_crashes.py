@@ -603,3 +603,85 @@ def test_what_a_test_does_to_its_pipe_never_stalls_the_parent(pytester):
     # Nothing waited for a sleep of the tests (60 s): each ended at its own event.
     assert wall < 40, wall
 
+
+# What a test records travels as text where pytest writes text: the parent never imports
+# the test's libraries for it (a fake torch notes an import in the parent) nor needs its
+# modules (childonly is importable in the child only).
+RECORDS_SUITE = """
+import os, sys, pytest
+
+@pytest.mark.gpu
+def test_property_tensor(record_property):
+    import torch
+    record_property("loss", torch.tensor(0.25))
+
+@pytest.mark.gpu
+def test_property_own_class(record_property, tmp_path):
+    (tmp_path / "childonly.py").write_text(
+        "class Thing:\\n    def __str__(self):\\n        return 'a-thing'\\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    import childonly
+    record_property("r", childonly.Thing())
+
+@pytest.mark.gpu
+def test_report_attribute():
+    pass
+"""
+RECORDS_CONFTEST = """
+import os, pytest
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item):
+    report = yield
+    if os.environ.get("SPAWNRUN_CHILD") == "1" and item.name == "test_report_attribute":
+        import torch
+        report.extra = [torch.tensor(1)]
+    return report
+"""
+TENSOR_TORCH = """
+import os
+if os.environ.get("SPAWNRUN_CHILD") != "1":
+    open(os.path.join(os.path.dirname(__file__), os.pardir, "torch-in-parent"), "w").close()
+
+class Tensor:
+    def __init__(self, value):
+        self.value = value
+    def __repr__(self):
+        return f"tensor({self.value})"
+
+def tensor(value):
+    return Tensor(value)
+"""
+
+
+@pytest.mark.parametrize(
+    "case, written",
+    [
+        ("property_tensor", 'name="loss" value="tensor(0.25)"'),
+        ("property_own_class", 'name="r" value="a-thing"'),
+        ("report_attribute", ""),
+    ],
+    ids=["property_tensor", "property_own_class", "report_attribute"],
+)
+def test_values_a_test_records_reach_the_parent_as_text(pytester, case, written):
+    (pytester.path / "torch").mkdir()
+    (pytester.path / "torch" / "__init__.py").write_text(TENSOR_TORCH)
+    pytester.makeconftest(RECORDS_CONFTEST)
+    pytester.makepyfile(test_records=RECORDS_SUITE)
+    xml = pytester.path / "out.xml"
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={xml}",
+        "-o",
+        "junit_family=xunit1",
+        "-k",
+        f"test_{case}",
+        timeout=60,
+    )
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1)
+    assert not (pytester.path / "torch-in-parent").exists()
+    # What junitxml writes of them in-process: their str.
+    assert written in xml.read_text()
