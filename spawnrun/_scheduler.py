@@ -234,7 +234,7 @@ class Scheduler:
         for dead in self.graveyard:
             events[dead.sentinel] = ("grave", dead)
         zygote = self.zygote.zygote if self.zygote is not None else None
-        if zygote is not None and not zygote.closed:
+        if zygote is not None and zygote.listening:
             events[zygote.conn] = ("zygote", zygote)
         deadlines = [j.deadline for j in self.jobs if j.deadline is not None]
         if deadlines:

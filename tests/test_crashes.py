@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -11,7 +14,9 @@ import time
 import psutil
 import pytest
 
+from spawnrun import _protocol as proto
 from spawnrun import _reports
+from spawnrun import _runner
 
 NO_INTERNAL = "*INTERNALERROR*"
 
@@ -581,11 +586,12 @@ def test_in_process_after():
 """
 
 
-def test_what_a_test_does_to_its_pipe_never_stalls_the_parent(pytester):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_what_a_test_does_to_its_pipe_never_stalls_the_parent(pytester, method):
     pytester.makepyfile(test_wire=WIRE_SUITE)
     start = time.monotonic()
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-rA", "--spawn-jobs", "4", timeout=90
+        "-p", "no:cacheprovider", "-rA", "--spawn-jobs", "4", "--spawn-method", method, timeout=90
     )
     wall = time.monotonic() - start
     result.stdout.no_fnmatch_line(NO_INTERNAL)
@@ -685,3 +691,41 @@ def test_values_a_test_records_reach_the_parent_as_text(pytester, case, written)
     assert not (pytester.path / "torch-in-parent").exists()
     # What junitxml writes of them in-process: their str.
     assert written in xml.read_text()
+
+
+class _NotOnTheWire(float):
+    def __repr__(self) -> str:
+        return "odd(1.5)"
+
+
+def _frame(msg: object) -> bytes:
+    data = pickle.dumps(msg)
+    return struct.pack("!i", len(data)) + data
+
+
+def test_a_childs_stream_is_read_without_waiting_and_decoded_without_imports():
+    read_end, write_end = os.pipe()
+    stream = _runner.Stream()
+    frame = _frame(proto.Phase("call"))
+    os.write(write_end, frame + frame[:3])
+    assert [m.when for m in stream.read(read_end)] == ["call"]
+    assert stream.read(read_end) == [] and not stream.ended  # the rest is not waited for
+    os.write(write_end, frame[3:] + _frame(_NotOnTheWire(1.5)))
+    assert [m.when for m in stream.read(read_end)] == ["call"]
+    assert "test_crashes._NotOnTheWire, which is not part of spawnrun's protocol" in stream.problem
+    stream = _runner.Stream()
+    os.write(write_end, frame[:5])
+    os.close(write_end)
+    assert stream.read(read_end) == [] and stream.ended
+    assert "ended inside a message" in stream.problem
+    os.close(read_end)
+
+
+def test_values_travel_as_plain_data():
+    nested: list[object] = []
+    nested.append(nested)
+    value = {"n": 1, "t": (_NotOnTheWire(1.5), "s"), 2: [None, b"x"], "self": nested}
+    out = proto.plain(value)
+    assert out["t"] == ("odd(1.5)", "s") and out["2"] == [None, b"x"]
+    assert type(proto.plain(_NotOnTheWire(1.5), str)) is str
+    assert pickle.loads(pickle.dumps(out))["n"] == 1  # the structure that held itself ends
