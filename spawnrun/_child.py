@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import faulthandler
 import gc
 import io
@@ -205,12 +206,10 @@ class _Relay:
         self.sink: _Sink | None = None
 
     def send(self, msg: proto.Message) -> None:
-        try:
-            self.conn.send(msg)
-        except Exception:  # noqa: BLE001 - unpicklable content degrades to text
-            if not isinstance(msg, proto.Report):
-                raise
-            self.conn.send(proto.Report(_textify(msg.data)))
+        # Plain data only, whatever the test put in it (a tensor, an instance of a class
+        # of its own): the parent must read every message without importing anything.
+        fields = {f.name: proto.plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
+        self.conn.send(dataclasses.replace(msg, **fields))
 
     # pytest hooks ---------------------------------------------------------------
 
@@ -439,7 +438,13 @@ class _Relay:
         with contextlib.suppress(Exception):
             config.hook.pytest_report_teststatus(report=report, config=config)
         report.sections = [(t, _bounded(c)) for t, c in report.sections]
-        return config.hook.pytest_report_to_serializable(config=config, report=report)
+        data = config.hook.pytest_report_to_serializable(config=config, report=report)
+        # What the test recorded travels as plain data; other values as their str, which
+        # is what pytest writes of them (junitxml). The rest of the report (a plugin's
+        # attributes) as plain data or reprs (``send``).
+        if isinstance(data, dict) and isinstance(data.get("user_properties"), list):
+            data["user_properties"] = proto.plain(data["user_properties"], str)
+        return data
 
     def pytest_warning_recorded(
         self, warning_message: Any, when: str, nodeid: str, location: Any
@@ -594,17 +599,3 @@ def _bounded(content: str) -> str:
         return content
     cut = len(content) - SECTION_LIMIT
     return f"[spawnrun: {cut} characters cut, the last {SECTION_LIMIT} follow]\n" + content[cut:]
-
-
-def _textify(value: Any) -> Any:
-    """Make a report payload picklable: anything exotic becomes its repr."""
-    if isinstance(value, dict):
-        return {str(k): _textify(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_textify(v) for v in value)
-    if value is None or isinstance(value, (str, int, float, bool)):
-        return value
-    try:
-        return repr(value)
-    except Exception:  # noqa: BLE001
-        return f"<unrepresentable {type(value).__name__}>"

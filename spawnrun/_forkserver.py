@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import types
 from collections.abc import Mapping
 from multiprocessing import reduction
@@ -36,10 +37,12 @@ from spawnrun import _runner
 from spawnrun import _settings
 from spawnrun import _zygote
 
-#: How long the template may take to import what it is told.
+#: How long the template may take to import what it is told (all of it, rebuilds too).
 BOOT_LIMIT = 600.0
-#: How long a fork request may take to be answered.
-FORK_LIMIT = 60.0
+#: How long a fork request may take to be answered. Once the template has imported what
+#: it was told (the first fork waits for that), its answer takes milliseconds; the event
+#: loop stands still meanwhile, so a template that does not answer is given up soon.
+FORK_LIMIT = 10.0
 
 OFF = "spawnrun: the forkserver is off and every test spawns from now on: {reason}"
 NOT_IMPORTED = (
@@ -68,6 +71,9 @@ class Zygote:
         child_conn.close()
         self.pid: int = self.proc.pid or 0
         self.exits: dict[int, int] = {}
+        #: The template's messages, read without blocking; answers not yet taken.
+        self.stream = _runner.Stream()
+        self.inbox: list[Any] = []
         #: ZygoteReady answers still to come (one for the spec, one per Preload).
         self.pending = 1
         #: Modules the template could not import ("name: error"), from every answer.
@@ -79,11 +85,17 @@ class Zygote:
             self.conn.send(proto.Preload(modules))
             self.pending += 1
 
-    def ready(self) -> proto.ZygoteReady:
+    @property
+    def listening(self) -> bool:
+        """Whether the template can still be heard (the event loop waits on it then)."""
+        return not (self.closed or self.stream.ended or self.stream.problem)
+
+    def ready(self, limit: float = BOOT_LIMIT) -> proto.ZygoteReady:
         """Wait for every pending answer; the first one with a problem, else the last."""
         answer = proto.ZygoteReady(self.pid)
+        end = time.monotonic() + limit
         while self.pending:
-            reply = self._next(BOOT_LIMIT)
+            reply = self._next(end - time.monotonic())
             self.pending -= 1
             if not isinstance(reply, proto.ZygoteReady):
                 return proto.ZygoteReady(self.pid, f"it did not answer as expected: {reply!r}")
@@ -121,34 +133,39 @@ class Zygote:
 
     def drain(self) -> None:
         """File the exit notices that arrived (the scheduler's loop calls this)."""
-        with contextlib.suppress(OSError, EOFError):
-            while not self.closed and self.conn.poll(0):
-                msg = self.conn.recv()
-                if isinstance(msg, proto.Exited):
-                    self.exits[msg.pid] = msg.code
+        if self.listening:
+            self.inbox += self.stream.read(self.conn.fileno())
+        self._file_exits()
 
     def exit_code(self, pid: int, timeout: float) -> int | None:
         """The exit code of a forked child, as its parent (the template) saw it."""
+        end = time.monotonic() + timeout
         while pid not in self.exits:
-            try:
-                if self.closed or not self.conn.poll(timeout):
-                    return None
-                msg = self.conn.recv()
-            except (OSError, EOFError):
+            if not self._receive(end):
                 return None
-            if isinstance(msg, proto.Exited):
-                self.exits[msg.pid] = msg.code
         return self.exits.pop(pid)
 
     def _next(self, timeout: float) -> Any:
         """The next answer that is not an exit notice (those are filed), or None."""
-        while True:
-            if not self.conn.poll(timeout):
+        end = time.monotonic() + timeout
+        while not self.inbox:
+            if not self._receive(end):
                 return None
-            msg = self.conn.recv()
-            if not isinstance(msg, proto.Exited):
-                return msg
+        return self.inbox.pop(0)
+
+    def _receive(self, end: float) -> bool:
+        """Read what arrives until ``end`` (a partial message waits for its rest)."""
+        remaining = end - time.monotonic()
+        if not self.listening or remaining < 0 or not wait([self.conn], remaining):
+            return False
+        self.inbox += self.stream.read(self.conn.fileno())
+        self._file_exits()
+        return True
+
+    def _file_exits(self) -> None:
+        for msg in [m for m in self.inbox if isinstance(m, proto.Exited)]:
             self.exits[msg.pid] = msg.code
+            self.inbox.remove(msg)
 
     def close(self) -> None:
         if self.closed:
@@ -160,8 +177,9 @@ class Zygote:
         if self.proc.exitcode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.pid, signal.SIGKILL)
-            self.proc.join()
-        self.proc.close()
+            self.proc.join(5)
+        with contextlib.suppress(ValueError):  # not reaped after all: left to the kernel
+            self.proc.close()
 
 
 class ForkedChild(_runner.ChildProcess):
@@ -273,6 +291,7 @@ class ZygoteHolder:
 
     def _check(self, config: Any) -> None:
         assert self.zygote is not None
+        end = time.monotonic() + BOOT_LIMIT
         ready = self.zygote.ready()
         base_tops = {_top(m) for m in self.base}
         for _ in range(RETRIES):
@@ -288,7 +307,7 @@ class ZygoteHolder:
             self.zygote.close()
             kept = [m for m in self.optional if _top(m) not in self.excluded]
             self.zygote = self._make(self.base + kept)
-            ready = self.zygote.ready()
+            ready = self.zygote.ready(end - time.monotonic())
         self._not_imported(config)
         if ready.problem:
             after = f" (after importing {ready.culprit})" if ready.culprit else ""

@@ -103,6 +103,9 @@ REAP_GRACE = 2.0
 REAP_PATIENCE = 0.3
 #: How often a state that watches something without an event looks again.
 POLL = 0.05
+#: After a child's pipe ended, how long it gets to be seen exiting (its exit code tells
+#: how it died) before it counts as alive without its pipe and is killed.
+PIPE_GRACE = 1.0
 
 
 class State(enum.Enum):
@@ -169,6 +172,10 @@ class Job:
         self.parent_error: pytest.TestReport | None = None
         self.interrupted: proto.Interrupted | None = None
         self.deadline: float | None = None
+        #: When the child's pipe ended before its test's end, and why it cannot be read
+        #: on ("": it was closed).
+        self.pipe_ended: float | None = None
+        self.pipe_problem = ""
         #: When the current state's watch started (dump, exit, reap, settle).
         self.since = 0.0
         self.started = time.monotonic()
@@ -229,6 +236,8 @@ class Job:
         self.children_started += 1
         self.pids.add(self.child.pid)
         self.started = time.monotonic()
+        self.pipe_ended = None
+        self.pipe_problem = ""
         self.state = State.BOOTING if self.turned else State.AHEAD
         self._arm()
 
@@ -321,8 +330,14 @@ class Job:
             replay.enter(msg.when)
         elif isinstance(msg, proto.Report):
             config = self.item.config
-            report = config.hook.pytest_report_from_serializable(config=config, data=msg.data)
-            _replay.restore(report, msg.data, msg.rendered)
+            try:
+                report = config.hook.pytest_report_from_serializable(config=config, data=msg.data)
+                if not isinstance(report, pytest.TestReport):
+                    raise TypeError(f"it is a {type(report).__qualname__}, not a test report")
+                _replay.restore(report, msg.data, msg.rendered)
+            except Exception as exc:  # noqa: BLE001 - the child's words must not end the run
+                self._pipe_ended(f"a report could not be rebuilt: {exc!r}")
+                return
             if msg.pending:
                 replay.add_pending(report)
             else:
@@ -338,8 +353,8 @@ class Job:
             if self.interrupted is None:
                 replay.complete(msg.notes)
             self._ended()
-        else:  # the pipe ended before "done": the child died
-            self._died()
+        else:  # the pipe ended before "done": the child died, or cannot be heard
+            self._pipe_ended(msg.cause)
 
     def _learn(self, torch_peak: int | None) -> None:
         """The peak that ``--spawn-pack auto`` budgets this test by next time.
@@ -366,10 +381,9 @@ class Job:
             if self.child is not child:
                 return  # replaced (a fallback): its successor is watched from now on
             self.on_message(msg)
-        if self.state in LISTENING:
-            self._died()
+        if self.state in LISTENING and self.child is child:
+            self._pipe_ended("")  # gone without its "done" (a process it left holds the pipe)
         if not child.gone:
-            _exit_code(child)
             child.reaped()
             if self.state is State.EXITING:
                 self._to(State.REAPING)
@@ -378,7 +392,9 @@ class Job:
         if self.deadline is None or now < self.deadline:
             return
         state = self.state
-        if state is State.BOOTING or state is State.RUNNING:
+        if self.pipe_ended is not None and state in LISTENING:
+            self._judge_death(now)
+        elif state is State.BOOTING or state is State.RUNNING:
             self._start_dump()
         elif state is State.DUMPING:
             self._poll_dump(now)
@@ -427,15 +443,48 @@ class Job:
         else:
             self._to(State.EXITING)
 
-    def _died(self) -> None:
+    def _pipe_ended(self, problem: str) -> None:
+        """The child's pipe ended (or cannot be read on) before the test's end."""
+        if self.pipe_ended is None:
+            self.pipe_ended = time.monotonic()
+        self.pipe_problem = self.pipe_problem or problem
+        if self.child is not None:
+            self.child.close_pipe()
+        self._judge_death(time.monotonic())
+
+    def _judge_death(self, now: float) -> None:
+        """Report the death once its exit code is known, or end a child that lives on.
+
+        Its pipe ends as the process exits, a little before the exit itself can be seen:
+        the code comes within ``PIPE_GRACE``, a deadline in the loop. A child still
+        running then (it closed its pipe) or whose messages cannot be read is killed.
+        """
+        child = self.child
+        assert child is not None and self.pipe_ended is not None
+        code = child.exitcode
+        if code is not None and not self.pipe_problem:
+            self._died(code)
+            return
+        if not self.pipe_problem and now - self.pipe_ended < PIPE_GRACE:
+            self.deadline = now + POLL
+            return
+        cause = ""
+        if self.pipe_problem:
+            cause = f"{_reports.UNREADABLE} ({self.pipe_problem}); it was killed"
+        elif child.running():
+            cause = _reports.PIPE_CLOSED
+        if cause:
+            child.kill()
+        self._died(code, cause)
+
+    def _died(self, code: int | None, cause: str = "") -> None:
         child = self.child
         assert child is not None
         phase = self.replay.pending_phase() if self.state is State.RUNNING else "setup"
-        code = _exit_code(child)
         self.left_behind = child.others()
         _runner.signal_pids(self.left_behind, signal.SIGKILL)
         self.reaped_count += len(self.left_behind)
-        text = _reports.death_text(self.item.nodeid, phase, code)
+        text = _reports.death_text(self.item.nodeid, phase, code, cause)
         self.crashes += 1
         self.replay.died(phase, text, _reports.evidence(child.spec, len(self.left_behind)))
         if not self._rerun():
@@ -611,13 +660,6 @@ def _rerun_limit(item: pytest.Item) -> int | None:
         return None if count is None else int(count)
     except Exception:  # noqa: BLE001 - a foreign plugin's trouble must not end the run
         return None
-
-
-def _exit_code(child: _runner.ChildProcess) -> int | None:
-    code = child.exitcode
-    if code is None and not child.gone:
-        code = child.wait_exitcode(2.0)
-    return code
 
 
 def _workerinput(config: pytest.Config) -> dict[str, Any] | None:

@@ -9,10 +9,18 @@ sends ``Booted``; it then waits for ``Go``, runs setup/call/teardown and streams
 ``Report`` / ``WarningRecord`` messages, then ``Interrupted`` if the test stopped the
 session, and always ``Done`` once the test's teardown is over; ``After`` may follow with
 errors of the child's session end. EOF before ``Done`` means the child died.
+
+The parent decodes what a child sends with ``decode``, which builds the classes of this
+module and plain data only: a child's message never makes the parent import anything.
+The child sends test-made values (user properties, a report's extra attributes) as plain
+data or as text (``plain``).
 """
 
 from __future__ import annotations
 
+import builtins
+import io
+import pickle
 import re
 from dataclasses import dataclass
 from dataclasses import field
@@ -241,6 +249,78 @@ class Exited:
 
     pid: int
     code: int
+
+
+# Decoding and plain data ------------------------------------------------------------
+
+#: What a message may be built of besides the classes of this module: the builtins that
+#: pickle by name (sets, tuples, dicts and the rest have opcodes of their own).
+_WIRE_BUILTINS = frozenset({"complex", "bytearray", "frozenset", "set"})
+
+
+class _WireUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and isinstance(globals().get(name), type):
+            cls = globals()[name]
+            if getattr(cls, "__dataclass_fields__", None) is not None:
+                return cls
+        if module == "builtins" and name in _WIRE_BUILTINS:
+            return getattr(builtins, name)
+        raise pickle.UnpicklingError(
+            f"it holds a {module}.{name}, which is not part of spawnrun's protocol "
+            "(the parent imports nothing a child names)"
+        )
+
+
+def decode(data: bytes) -> Any:
+    """A message from its pickle, made of this module's classes and plain data only."""
+    msg = _WireUnpickler(io.BytesIO(data)).load()
+    if getattr(type(msg), "__dataclass_fields__", None) is None or type(msg).__module__ != __name__:
+        raise pickle.UnpicklingError(f"it is a {type(msg).__qualname__}, not a message")
+    return msg
+
+
+_PLAIN_LEAVES = (str, int, float, bool, type(None), bytes)
+#: Deeper than this, a value travels as its repr (a structure that contains itself).
+_PLAIN_DEPTH = 64
+
+
+def plain(value: Any, text: Any = repr, depth: int = 0) -> Any:
+    """``value`` as data any Python reads without imports: containers of plain leaves.
+
+    A leaf of another type (a tensor, an instance of a class of the test's) becomes
+    ``text(value)``; ``str`` subclasses become plain strings, tuple and list subclasses
+    (named tuples) plain tuples and lists, mapping keys strings.
+    """
+    kind = type(value)
+    if kind in _PLAIN_LEAVES:
+        return value
+    if depth < _PLAIN_DEPTH:
+        if isinstance(value, dict):
+            return {
+                k if type(k) is str else _text(k, repr): plain(v, text, depth + 1)
+                for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [plain(v, text, depth + 1) for v in value]
+        if isinstance(value, tuple):
+            return tuple(plain(v, text, depth + 1) for v in value)
+        if isinstance(value, str):
+            return str.__str__(value)
+    return _text(value, text)
+
+
+def _text(value: Any, text: Any) -> str:
+    for how in (text, repr):
+        try:
+            made = how(value)
+        except Exception:  # noqa: BLE001 - a broken __str__ / __repr__ of the test's
+            continue
+        if type(made) is str:
+            return made
+        if isinstance(made, str):
+            return str.__str__(made)
+    return f"<unrepresentable {type(value).__qualname__}>"
 
 
 # Identity of a test across the process boundary ------------------------------------------

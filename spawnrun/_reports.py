@@ -18,6 +18,11 @@ NO_CALL = "spawnrun: the spawned child ended without a call report for this test
 NO_TEARDOWN = "spawnrun: the spawned child ended without a teardown report"
 DIED = "spawnrun: the child process running this test died"
 CHILD_NOTES = "spawnrun: child notes"
+PIPE_CLOSED = (
+    "it closed its pipe to the parent before reporting the end of the test (did the test "
+    "close the file descriptors it inherited?) and, still running, was killed"
+)
+UNREADABLE = "what it sent the parent cannot be read"
 TIMEOUT = "Timeout"
 REAPED = "spawnrun: reaped {n} process(es) left behind by this test"
 STUCK_EXIT = (
@@ -91,10 +96,13 @@ def killed_by(code: int | None) -> str:
     return f"killed by signal {name} ({-code})"
 
 
-def death_text(nodeid: str, phase: str, code: int | None) -> str:
-    """What killed a child: the signal (with the OOM hint for SIGKILL) or exit status."""
-    cause = killed_by(code)
+def death_text(nodeid: str, phase: str, code: int | None, cause: str = "") -> str:
+    """What ended a child: ``cause`` where the parent knows better (a closed pipe), else
+    the signal (with the OOM hint for SIGKILL) or exit status."""
     if cause:
+        pass
+    elif killed_by(code):
+        cause = killed_by(code)
         if code == -signal.SIGKILL:
             cause += "; the kernel's out-of-memory killer is a common cause"
     elif code is None:

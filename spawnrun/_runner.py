@@ -12,11 +12,13 @@ import os
 import pickle
 import re
 import signal
+import struct
 import sys
 from collections.abc import Iterator
 from collections.abc import Mapping
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
@@ -216,10 +218,81 @@ def kill_all_live() -> None:
 
 
 class Died:
-    """The child's pipe ended before its ``Done``."""
+    """The child's pipe ended, or can no longer be read (``cause``: why not)."""
+
+    def __init__(self, cause: str = "") -> None:
+        self.cause = cause
 
 
-DIED = Died()
+#: How much one read of a pipe takes at most, so that a child sending without end does
+#: not keep the event loop from its other events (the rest is read on the next turn).
+_READ_CHUNK = 1 << 16
+_READS_PER_TURN = 64
+#: A message longer than this is taken for a corrupt stream.
+MAX_MESSAGE = 1 << 30
+
+
+class Stream:
+    """The messages in a pipe of ``multiprocessing.Connection``'s framing, never blocking.
+
+    ``Connection.recv`` waits for a whole message: after ``poll`` says a byte is there,
+    a partial one (a test that wrote to the pipe, a child killed mid-send) would stall
+    the event loop. This reads only what is there, keeps a partial message for later,
+    and decodes whole ones with ``_protocol.decode``. ``problem`` says why the stream
+    cannot be read on (corrupt, or ended inside a message); nothing is read after it.
+    """
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+        self.ended = False
+        self.problem = ""
+
+    def read(self, fd: int) -> list[Any]:
+        """The messages that arrived whole; ``ended`` or ``problem`` tell the rest."""
+        for _ in range(_READS_PER_TURN):
+            if self.ended or self.problem or not wait([fd], 0):
+                break
+            try:
+                data = os.read(fd, _READ_CHUNK)
+            except OSError:
+                data = b""  # ECONNRESET and the like: the other end is gone
+            if not data:
+                self.ended = True
+                break
+            self.buffer += data
+        out = self._messages()
+        if self.ended and self.buffer and not self.problem:
+            self.problem = (
+                f"the stream ended inside a message ({len(self.buffer)} bytes of it "
+                "arrived): a message cut short, or bytes the test wrote into the pipe"
+            )
+        return out
+
+    def _messages(self) -> list[Any]:
+        out = []
+        while not self.problem:
+            buf = self.buffer
+            if len(buf) < 4:
+                break
+            (size,) = struct.unpack("!i", buf[:4])
+            start = 4
+            if size == -1:  # a message longer than 2 GiB announces its size in 8 bytes
+                if len(buf) < 12:
+                    break
+                (size,) = struct.unpack("!Q", buf[4:12])
+                start = 12
+            if not 0 <= size <= MAX_MESSAGE:
+                self.problem = f"a message announced a size of {size} bytes (a corrupt stream)"
+                break
+            if len(buf) < start + size:
+                break
+            frame = bytes(buf[start : start + size])
+            del buf[: start + size]
+            try:
+                out.append(proto.decode(frame))
+            except Exception as exc:  # noqa: BLE001 - whatever the bytes were
+                self.problem = f"a message could not be decoded: {exc}"
+        return out
 
 
 class ChildProcess:
@@ -227,6 +300,9 @@ class ChildProcess:
 
     Nothing here blocks: ``messages`` reads what is already in the pipe, ``exitcode``
     asks without waiting, and the scheduler's loop waits on ``conn`` and ``sentinel``.
+    The sentinel is a pidfd, readable once the process has exited: multiprocessing's own
+    is a pipe that a test closing its file descriptors (or a process it forked and left
+    running) makes ready, or keeps from ever being ready, while the child lives.
     """
 
     def __init__(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
@@ -241,7 +317,9 @@ class ChildProcess:
             proc.start()
         child_conn.close()
         self._proc: Any = proc
-        self._adopt(spec, conn, proc.pid or 0, proc.sentinel)
+        pidfd = _pidfd(proc.pid or 0)
+        self._adopt(spec, conn, proc.pid or 0, proc.sentinel if pidfd is None else pidfd)
+        self._pidfd = pidfd
 
     def _adopt(self, spec: proto.ChildSpec, conn: Connection, pid: int, sentinel: int) -> None:
         self.spec = spec
@@ -251,6 +329,8 @@ class ChildProcess:
         self.sentinel = sentinel
         self.gone = False
         self._code: int | None = None
+        self._stream = Stream()
+        self._pidfd = None
         LIVE.add(self)
 
     @property
@@ -261,25 +341,37 @@ class ChildProcess:
         code: int | None = self._proc.exitcode
         return code
 
+    def running(self) -> bool:
+        """Whether the process has not exited yet (asked without waiting)."""
+        if self.gone:
+            return False
+        if self._proc is not None:
+            return bool(self._proc.exitcode is None)
+        return not wait([self.sentinel], 0)
+
     def wait_exitcode(self, timeout: float) -> int | None:
         """The exit code, waiting at most ``timeout`` for a process known to be ending."""
-        if not self.gone and self._proc is not None and self._proc.exitcode is None:
-            self._proc.join(timeout)
+        # Not Process.join(timeout): once multiprocessing's sentinel is ready (the child
+        # closed it) join waits for the exit without a bound.
+        if not self.gone and self.exitcode is None and self._pidfd is not None:
+            wait([self._pidfd], timeout)
         return self.exitcode
 
     def messages(self) -> list[proto.Message | Died]:
-        """Everything the child has sent so far; ``DIED`` last once the pipe ended."""
-        out: list[proto.Message | Died] = []
+        """Everything the child has sent so far; a ``Died`` last once the pipe ended.
+
+        Never waits: a partial message stays buffered until the rest arrives. A stream
+        that cannot be read on (corrupt, or ended inside a message) ends the pipe with
+        the cause.
+        """
         conn = self.conn
-        while conn is not None:
-            try:
-                if not conn.poll(0):
-                    break
-                out.append(conn.recv())
-            except (EOFError, OSError):
-                out.append(DIED)
-                self.close_pipe()
-                break
+        if conn is None:
+            return []
+        stream = self._stream
+        out: list[proto.Message | Died] = list(stream.read(conn.fileno()))
+        if stream.problem or stream.ended:
+            out.append(Died(stream.problem))
+            self.close_pipe()
         return out
 
     def go(self, env_set: Mapping[str, str], env_unset: list[str]) -> None:
@@ -319,10 +411,20 @@ class ChildProcess:
             return
         self.close_pipe()
         if self._proc is not None:
-            self._proc.join(0)
-            self._code = self._proc.exitcode
+            self._code = self._proc.exitcode  # waitpid(WNOHANG): it has exited
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
         self.gone = True
         if self._proc is not None:
             with contextlib.suppress(ValueError):
                 self._proc.close()
         LIVE.discard(self)
+
+
+def _pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid`` (Linux 5.3+), or None where the kernel has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (OSError, AttributeError):
+        return None

@@ -267,7 +267,7 @@ class Scheduler:
         for dead in self.graveyard:
             events[dead.sentinel] = ("grave", dead)
         zygote = self.zygote.zygote if self.zygote is not None else None
-        if zygote is not None and not zygote.closed:
+        if zygote is not None and zygote.listening:
             events[zygote.conn] = ("zygote", zygote)
         deadlines = [j.deadline for j in self.jobs if j.deadline is not None]
         if deadlines:
@@ -288,8 +288,7 @@ class Scheduler:
                     target.on_message(msg)
             elif kind == "exit" and target.child is not None and target.child.sentinel is key:
                 target.on_exit()
-            elif kind == "grave":
-                target.wait_exitcode(1.0)
+            elif kind == "grave":  # its pidfd: it has exited, reaping it does not wait
                 target.reaped()
                 self.graveyard.remove(target)
         now = time.monotonic()
@@ -381,9 +380,10 @@ class Scheduler:
             self.graveyard.extend(job.take_retired())
             self._give_back(job)
         self.jobs, self.ahead = [], {}
+        end = time.monotonic() + 2.0  # for all of them together: SIGKILL is quick
         for child in self.graveyard:
             child.kill()
-            child.wait_exitcode(2.0)
+            child.wait_exitcode(max(0.0, end - time.monotonic()))
             child.reaped()
         self.graveyard = []
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -11,7 +14,9 @@ import time
 import psutil
 import pytest
 
+from spawnrun import _protocol as proto
 from spawnrun import _reports
+from spawnrun import _runner
 
 NO_INTERNAL = "*INTERNALERROR*"
 
@@ -540,3 +545,187 @@ def test_a_librarys_own_shutdown_at_exit_is_let_finish(pytester):
     said = result.stdout.str() + result.stderr.str()
     assert "leaked" not in said
     assert "reaped" not in said
+
+
+# A test that writes into its child's pipe, or closes it, must not stall the parent: every
+# read of a child's pipe is non-blocking and every wait bounded. ``pipe`` is the child's
+# end of its pipe to the parent.
+WIRE_SUITE = """
+import os, pickle, struct, sys, time, pytest
+
+def pipe(request):
+    return request.config.pluginmanager.get_plugin("spawnrun-child").conn.fileno()
+
+STRAY = struct.pack("!i", 1000) + b"x"  # announces 1000 bytes, sends one
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_closes_its_fds():
+    os.closerange(3, 1024)
+    time.sleep(60)
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_stray_bytes(request):
+    os.write(pipe(request), STRAY)
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_stray_bytes_then_hangs(request):
+    os.write(pipe(request), STRAY)
+    time.sleep(60)
+
+@pytest.mark.gpu(count=0, timeout=3)
+def test_sends_a_class_the_parent_lacks(request, tmp_path):
+    (tmp_path / "childonly.py").write_text("class Thing:\\n    pass\\n")
+    sys.path.insert(0, str(tmp_path))
+    import childonly
+    data = pickle.dumps(childonly.Thing())
+    os.write(pipe(request), struct.pack("!i", len(data)) + data)
+    time.sleep(60)
+
+def test_in_process_after():
+    pass
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_what_a_test_does_to_its_pipe_never_stalls_the_parent(pytester, method):
+    pytester.makepyfile(test_wire=WIRE_SUITE)
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-rA", "--spawn-jobs", "4", "--spawn-method", method, timeout=90
+    )
+    wall = time.monotonic() - start
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1, failed=4)
+    unreadable = f"{_reports.DIED} during call: {_reports.UNREADABLE}"
+    result.stdout.fnmatch_lines_random(
+        [
+            f"*{_reports.DIED} during call: {_reports.PIPE_CLOSED}*",
+            f"*{unreadable} (a message could not be decoded: invalid load key*); it was killed",
+            f"*{unreadable} (a message could not be decoded: it holds a childonly.Thing, "
+            "which is not part of spawnrun's protocol*",
+            "*Timeout (>3 s) during call*",
+        ]
+    )
+    # Nothing waited for a sleep of the tests (60 s): each ended at its own event.
+    assert wall < 40, wall
+
+
+# What a test records travels as text where pytest writes text: the parent never imports
+# the test's libraries for it (a fake torch notes an import in the parent) nor needs its
+# modules (childonly is importable in the child only).
+RECORDS_SUITE = """
+import os, sys, pytest
+
+@pytest.mark.gpu
+def test_property_tensor(record_property):
+    import torch
+    record_property("loss", torch.tensor(0.25))
+
+@pytest.mark.gpu
+def test_property_own_class(record_property, tmp_path):
+    (tmp_path / "childonly.py").write_text(
+        "class Thing:\\n    def __str__(self):\\n        return 'a-thing'\\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    import childonly
+    record_property("r", childonly.Thing())
+
+@pytest.mark.gpu
+def test_report_attribute():
+    pass
+"""
+RECORDS_CONFTEST = """
+import os, pytest
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item):
+    report = yield
+    if os.environ.get("SPAWNRUN_CHILD") == "1" and item.name == "test_report_attribute":
+        import torch
+        report.extra = [torch.tensor(1)]
+    return report
+"""
+TENSOR_TORCH = """
+import os
+if os.environ.get("SPAWNRUN_CHILD") != "1":
+    open(os.path.join(os.path.dirname(__file__), os.pardir, "torch-in-parent"), "w").close()
+
+class Tensor:
+    def __init__(self, value):
+        self.value = value
+    def __repr__(self):
+        return f"tensor({self.value})"
+
+def tensor(value):
+    return Tensor(value)
+"""
+
+
+@pytest.mark.parametrize(
+    "case, written",
+    [
+        ("property_tensor", 'name="loss" value="tensor(0.25)"'),
+        ("property_own_class", 'name="r" value="a-thing"'),
+        ("report_attribute", ""),
+    ],
+    ids=["property_tensor", "property_own_class", "report_attribute"],
+)
+def test_values_a_test_records_reach_the_parent_as_text(pytester, case, written):
+    (pytester.path / "torch").mkdir()
+    (pytester.path / "torch" / "__init__.py").write_text(TENSOR_TORCH)
+    pytester.makeconftest(RECORDS_CONFTEST)
+    pytester.makepyfile(test_records=RECORDS_SUITE)
+    xml = pytester.path / "out.xml"
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={xml}",
+        "-o",
+        "junit_family=xunit1",
+        "-k",
+        f"test_{case}",
+        timeout=60,
+    )
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1)
+    assert not (pytester.path / "torch-in-parent").exists()
+    # What junitxml writes of them in-process: their str.
+    assert written in xml.read_text()
+
+
+class _NotOnTheWire(float):
+    def __repr__(self) -> str:
+        return "odd(1.5)"
+
+
+def _frame(msg: object) -> bytes:
+    data = pickle.dumps(msg)
+    return struct.pack("!i", len(data)) + data
+
+
+def test_a_childs_stream_is_read_without_waiting_and_decoded_without_imports():
+    read_end, write_end = os.pipe()
+    stream = _runner.Stream()
+    frame = _frame(proto.Phase("call"))
+    os.write(write_end, frame + frame[:3])
+    assert [m.when for m in stream.read(read_end)] == ["call"]
+    assert stream.read(read_end) == [] and not stream.ended  # the rest is not waited for
+    os.write(write_end, frame[3:] + _frame(_NotOnTheWire(1.5)))
+    assert [m.when for m in stream.read(read_end)] == ["call"]
+    assert "test_crashes._NotOnTheWire, which is not part of spawnrun's protocol" in stream.problem
+    stream = _runner.Stream()
+    os.write(write_end, frame[:5])
+    os.close(write_end)
+    assert stream.read(read_end) == [] and stream.ended
+    assert "ended inside a message" in stream.problem
+    os.close(read_end)
+
+
+def test_values_travel_as_plain_data():
+    nested: list[object] = []
+    nested.append(nested)
+    value = {"n": 1, "t": (_NotOnTheWire(1.5), "s"), 2: [None, b"x"], "self": nested}
+    out = proto.plain(value)
+    assert out["t"] == ("odd(1.5)", "s") and out["2"] == [None, b"x"]
+    assert type(proto.plain(_NotOnTheWire(1.5), str)) is str
+    assert pickle.loads(pickle.dumps(out))["n"] == 1  # the structure that held itself ends

@@ -228,3 +228,26 @@ def test_doctest_and_subtest_summaries_read_as_in_process(pytester):
     in_process = summary("--no-spawn")
     # The last line's time differs.
     assert spawned[:-1] == in_process[:-1]
+
+
+def test_a_report_with_a_value_of_the_tests_is_reported_once_under_rerunfailures(pytester):
+    # pytest-rerunfailures logs an execution's reports at its end: the child sends each
+    # first as pending, then as logged. Every one is sent as it is (its value as text),
+    # so none is replayed twice.
+    pytest.importorskip("pytest_rerunfailures")
+    pytester.makepyfile(
+        """
+        import threading, pytest
+
+        @pytest.mark.gpu
+        def test_odd_property(record_property):
+            record_property("lock", threading.Lock())
+
+        @pytest.mark.gpu
+        def test_plain():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--reruns", "1", "-rA")
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=2)
