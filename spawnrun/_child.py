@@ -341,17 +341,25 @@ class _Relay:
             _continue_reruns(item, self.spec.executions)
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
-        except KeyboardInterrupt:
-            self.interrupted = True
-            self.send(proto.Interrupted(keyboard=True, message="KeyboardInterrupt"))
+        except KeyboardInterrupt as exc:
+            self._interrupted(_keyboard_interrupt(exc))
             raise
         except pytest.exit.Exception as exc:
-            self.interrupted = True
-            self.send(proto.Interrupted(False, exc.msg, exc.returncode))
+            self._interrupted(proto.Interrupted(False, exc.msg, exc.returncode))
             raise
         # The test is over, session-scoped fixtures included (nextitem=None): say so
         # now. Session finish and unconfigure (pytest's final garbage collections cost
         # ~0.3 s with torch loaded) run after, off the parent's critical path.
+        self.finish()
+
+    def _interrupted(self, msg: proto.Interrupted) -> None:
+        """The test stopped the session: say so, and say "done" before pytest ends here.
+
+        The child's own session end (its "no tests ran" line and exit banner) is no part
+        of the test: the parent's session ends the same way and says it once.
+        """
+        self.interrupted = True
+        self.send(msg)
         self.finish()
 
     def _mark_terminal(self) -> None:
@@ -490,6 +498,16 @@ class _Relay:
             lines.append("the child collected no tests")
         lines += self.collect_errors
         return "\n".join(lines)
+
+
+def _keyboard_interrupt(exc: KeyboardInterrupt) -> proto.Interrupted:
+    """A KeyboardInterrupt raised by the test, with where pytest would say it was raised."""
+    path, lineno = "", 0
+    with contextlib.suppress(Exception):
+        crash = pytest.ExceptionInfo.from_exception(exc).getrepr().reprcrash
+        if crash is not None:
+            path, lineno = str(crash.path), int(crash.lineno)
+    return proto.Interrupted(True, str(exc), None, path, lineno)
 
 
 def _continue_reruns(item: Any, done: int) -> None:

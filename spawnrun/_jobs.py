@@ -337,12 +337,20 @@ class Job:
         elif state is State.SETTLING:
             self._poll_settle(now)
 
-    def abort(self, reason: str) -> None:
-        """End the child now (-x, an interrupt elsewhere); a test with its turn says so."""
-        if self.child is not None:
-            self.child.kill()
+    def abort(self, reason: str, report: bool = True) -> None:
+        """End the child now (-x, an interrupt elsewhere); a test with its turn says so.
+
+        ``report=False``: the session was interrupted, and as in-process a test that
+        did not finish has no report.
+        """
+        if self.child is None:
+            if self.state in LISTENING:  # its turn came, but it never started
+                self.turned = False
+                self.state, self.deadline = State.FINISHED, None
+            return
+        self.child.kill()
         if self.state in LISTENING:
-            if self.turned and self.interrupted is None:
+            if report and self.turned and self.interrupted is None:
                 skipped = (str(self.item.path), (self.item.location[1] or 0) + 1, reason)
                 phase = self.replay.pending_phase()
                 self.replay.add(_reports.make(self.item, phase, "skipped", skipped))

@@ -121,6 +121,9 @@ class Interrupted:
     keyboard: bool
     message: str
     returncode: int | None = None
+    #: Where a KeyboardInterrupt was raised (what pytest prints under its banner).
+    path: str = ""
+    lineno: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import contextlib
 import sys
 import warnings
 from typing import Any
+from typing import NoReturn
 
 import pytest
 
@@ -212,6 +213,22 @@ def restore(report: pytest.TestReport, data: dict[str, Any], rendered: bool) -> 
     if context is not None and isinstance(sent, dict) and isinstance(sent.get("kwargs"), dict):
         with contextlib.suppress(Exception):
             object.__setattr__(context, "kwargs", dict(sent["kwargs"]))
+
+
+def raise_interrupt(msg: proto.Interrupted) -> NoReturn:
+    """Stop the parent's session as the child's test stopped its own.
+
+    A KeyboardInterrupt is raised from a frame placed at the test's own line (code
+    compiled under the test file's name): pytest names the place an interrupt was
+    raised under its banner, and that place is the test's, not spawnrun's.
+    """
+    if not msg.keyboard:
+        pytest.exit(msg.message, msg.returncode)
+    exc = KeyboardInterrupt(msg.message) if msg.message else KeyboardInterrupt()
+    if msg.path and msg.lineno > 0:
+        code = compile("\n" * (msg.lineno - 1) + "raise exc", msg.path, "exec")
+        exec(code, {"exc": exc})
+    raise exc
 
 
 def _xfail_of(item: pytest.Item) -> Any:

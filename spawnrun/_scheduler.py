@@ -300,11 +300,15 @@ class Scheduler:
     def _replay(self, job: Job) -> None:
         """Replay what the child reported; re-raise its pytest.exit / KeyboardInterrupt."""
         if job.interrupted is not None:
-            # As in-process: the reports so far, then the session stops.
+            # As in-process: the reports so far, then the session stops, and nothing
+            # else runs or reports: every other child (running, booted ahead) ends now.
             job.replay.emit(None, interrupted=True)
-            if job.interrupted.keyboard:
-                raise KeyboardInterrupt
-            pytest.exit(job.interrupted.message, job.interrupted.returncode)
+            for other in list(self.jobs):
+                if other is not job:
+                    other.replayed = True
+                    other.abort(STOPPED, report=False)
+            self.ahead = {}
+            _replay.raise_interrupt(job.interrupted)
         job.replay.emit(job.parent_error)
 
     # Ends ----------------------------------------------------------------------------
@@ -343,6 +347,7 @@ class Scheduler:
             self.graveyard.extend(job.take_retired())
             if job.held:
                 self.allocator.give_back(job.held)
+            self._count(job)  # the run summary still tells what ran
         self.jobs, self.ahead = [], {}
         for child in self.graveyard:
             child.kill()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -87,6 +88,7 @@ def test_ini_spawn_gpu_spawns_everything(pytester):
 
 MIXED = """
 import os
+import re
 import sys
 import pytest
 import spawnrun
@@ -249,6 +251,7 @@ def test_deselected_in_child_lists_what_was_collected(pytester):
 
 GUARD_CONFTEST = """
 import os
+import re
 import sys
 import pytest
 
@@ -321,15 +324,28 @@ def test_exitfirst_stops_dispatch_and_reports_running_children(pytester):
     assert not (pytester.path / "three.txt").exists()
 
 
+def _session_end(result: pytest.RunResult) -> list[str]:
+    """The run's lines after collection, without spawnrun's summary and timings."""
+    lines = result.stdout.lines
+    start = next(i for i, line in enumerate(lines) if line.startswith("collected "))
+    kept = []
+    for line in lines[start:]:
+        if "spawnrun" in line or " isolated in " in line:
+            continue
+        kept.append(re.sub(r" in [0-9.]+s ", " in Ts ", line))
+    return kept
+
+
 @pytest.mark.parametrize(
-    "body, code, message",
+    "body, code",
     [
-        ("pytest.exit('stop the run', returncode=3)", 3, "*Exit: stop the run*"),
-        ("raise KeyboardInterrupt", 2, "*KeyboardInterrupt*"),
+        ("pytest.exit('stop the run', returncode=3)", 3),
+        ("pytest.exit('stop the run')", 2),
+        ("raise KeyboardInterrupt", 2),
     ],
-    ids=["pytest.exit", "KeyboardInterrupt"],
+    ids=["pytest.exit-code", "pytest.exit", "KeyboardInterrupt"],
 )
-def test_interrupt_in_child_stops_session_like_in_process(pytester, body, code, message):
+def test_interrupt_in_child_stops_session_like_in_process(pytester, body, code):
     pytester.makepyfile(
         f"""
         import pytest
@@ -338,16 +354,27 @@ def test_interrupt_in_child_stops_session_like_in_process(pytester, body, code, 
             {body}
         def test_never_runs():
             open("ran.txt", "w").write("x")
+        def test_booted_ahead():
+            pass
         """
     )
     # One child at a time: with more, a test already running when the session stops is
-    # stopped too (and may have started), which in-process pytest cannot show.
-    for extra in (["--spawn-jobs", "1"], ["--no-spawn"]):
+    # stopped too (and may have started), which in-process pytest cannot show. Children
+    # booted ahead for the tests after it are killed at once.
+    ends = []
+    for extra in (["--no-spawn"], ["--spawn-jobs", "1", "--spawn-lookahead", "2"]):
+        start = time.monotonic()
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *extra)
+        assert time.monotonic() - start < 15
         assert result.ret == code
-        result.stdout.fnmatch_lines([message])
         result.stdout.no_fnmatch_line(NO_INTERNAL)
         assert not (pytester.path / "ran.txt").exists()
+        ends.append(_session_end(result))
+    # The same lines: one banner, one "no tests ran", the interrupt's place in the test.
+    assert ends[1] == ends[0]
+    if "KeyboardInterrupt" in body:
+        test_file = pytester.path / "test_interrupt_in_child_stops_session_like_in_process.py"
+        assert f"{test_file}:4: KeyboardInterrupt" in ends[1]
 
 
 def test_fork_unsafe_device_initialized_in_parent(pytester, fakedevice):
