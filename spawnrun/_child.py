@@ -49,10 +49,12 @@ _EARLY_TAIL = 8000
 SECTION_LIMIT = 256 * 1024
 
 
-def main(spec: proto.ChildSpec, conn: Connection, forked: bool = False) -> NoReturn:
+def main(
+    spec: proto.ChildSpec, conn: Connection, forked: bool = False, parent: int | None = None
+) -> NoReturn:
     # Measured from the start, before the suite's conftests and modules are imported.
     _coverage.start(spec.coverage, forked)
-    relay = isolate(spec, conn)
+    relay = isolate(spec, conn, parent)
     os.chdir(spec.invocation_dir)
     try:
         config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.args])
@@ -115,11 +117,11 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def isolate(spec: proto.ChildSpec, conn: Connection) -> _Relay:
+def isolate(spec: proto.ChildSpec, conn: Connection, parent: int | None = None) -> _Relay:
     """Make this process a test's own: session, output, crash stacks, capture buffers."""
     global ACTIVE
     ACTIVE = True
-    _probe.die_with_parent()
+    _probe.die_with_parent(parent)
     # Own session and process group: the parent can kill everything the test
     # started with one killpg, and a Ctrl-C at the terminal reaches only the parent.
     os.setsid()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -108,17 +109,27 @@ def other_threads() -> list[str]:
     return names
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Be killed when the parent ends, even by SIGKILL (a CI runner's hard stop).
 
     Otherwise a hung child would be reparented to init and hold its GPU forever, its
     timeout gone with the parent. Processes the child started are out of this reach.
+
+    ``parent`` is the pid of the process that started this one; by default the
+    multiprocessing parent (a spawn child knows it from its start), else the parent it
+    has now. A parent that ended before the request took effect shows as another parent
+    (init or a subreaper took this process over). Pid 1 is no sign of that: pytest is
+    pid 1 itself as a container's first process (``docker run image pytest``).
     """
-    parent = os.getppid()
+    if parent is None:
+        started_by = multiprocessing.parent_process()
+        parent = started_by.pid if started_by is not None else None
+    if parent is None:
+        parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return  # not Linux: the parent's own cleanup is all there is
-    if parent == 1 or os.getppid() != parent:
+    if os.getppid() != parent:
         os._exit(70)  # the parent ended before the request took effect

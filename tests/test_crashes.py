@@ -503,6 +503,47 @@ def test_children_die_with_a_killed_parent(pytester):
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
 
 
+def _pid_namespaces() -> bool:
+    """Whether this machine lets us start a process as pid 1 of a new pid namespace."""
+    try:
+        done = subprocess.run(
+            ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_pytest_as_pid_1(pytester, method):
+    # A container's first process (docker run image pytest): the children's parent is
+    # pid 1, which is no sign that it died.
+    if not _pid_namespaces():
+        pytest.skip("unshare --pid --fork --mount-proc is not permitted here")
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+        import spawnrun
+
+        def test_in_process_is_pid_1():
+            assert os.getpid() == 1
+            assert spawnrun.call(abs, -3, timeout=60) == 3
+
+        @pytest.mark.gpu
+        def test_spawned():
+            assert spawnrun.is_child()
+            assert spawnrun.call(abs, -3, timeout=60) == 3
+        """
+    )
+    args = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "pytest"]
+    args += ["-p", "no:cacheprovider", "--spawn-method", method, "-W", "error"]
+    done = subprocess.run(args, cwd=pytester.path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+    assert "forkserver is off" not in done.stdout
+
+
 def test_a_librarys_own_shutdown_at_exit_is_let_finish(pytester):
     # An engine process the test started is stopped by its library's atexit handler,
     # which takes a few seconds (vLLM's takes about 5 s); ended under it, the engine
