@@ -30,6 +30,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _reports
 from spawnrun import _runner
@@ -204,7 +205,11 @@ class ZygoteHolder:
 
     def start(self, config: Any) -> None:
         """Start the template now, so its imports overlap the parent's own collection."""
-        if self.zygote is not None:
+        if self.zygote is not None or self.off:
+            return
+        if not _probe.proc_mounted():
+            # The template could not check that forking it is safe.
+            self._turn_off(config, _probe.NO_PROC)
             return
         self.workdir = _runner.parent_basetemp(config) / "spawnrun" / "zygote"
         self.workdir.mkdir(parents=True, exist_ok=True)

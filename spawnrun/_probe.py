@@ -22,6 +22,18 @@ _PR_SET_PDEATHSIG = 1
 _CUDA_ERROR_NOT_INITIALIZED = 3
 
 
+#: Why nothing here can be asked when ``/proc`` is not mounted (a bare container).
+NO_PROC = (
+    "/proc is not mounted, so neither the threads of a process nor whether the CUDA driver "
+    "is initialized in it can be seen"
+)
+
+
+def proc_mounted() -> bool:
+    """Whether this process sees ``/proc`` (threads, mappings, other processes)."""
+    return os.path.exists("/proc/self/stat")
+
+
 def device_runtime() -> str:
     """Name a device runtime initialized in this process ("" if none).
 

@@ -20,6 +20,10 @@ DIED = "spawnrun: the child process running this test died"
 CHILD_NOTES = "spawnrun: child notes"
 TIMEOUT = "Timeout"
 REAPED = "spawnrun: reaped {n} process(es) left behind by this test"
+NO_PROC = (
+    "spawnrun: /proc is not mounted: processes that spawned tests leave behind cannot be "
+    "found, so they are neither ended nor counted (mount /proc to have them reaped)"
+)
 STUCK_EXIT = (
     "spawnrun: the child of this test did not exit within {s:g} s of the test's end and "
     "was killed (a non-daemon thread or process it left behind?)"

@@ -56,6 +56,8 @@ def main(spec: proto.ZygoteSpec, conn: Connection) -> None:
 
 def unsafe_state() -> str:
     """Why forking this process now would be unsafe ("" if it is safe)."""
+    if not _probe.proc_mounted():
+        return _probe.NO_PROC  # what cannot be checked is not safe
     runtime = _probe.device_runtime()
     if runtime:
         return runtime

@@ -23,6 +23,8 @@ from spawnrun import _cudawatch
 from spawnrun import _devices
 from spawnrun import _forkserver
 from spawnrun import _jobs
+from spawnrun import _probe
+from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _scheduler
 from spawnrun import _settings
@@ -35,6 +37,8 @@ ITEM_KEY = pytest.StashKey[dict[str, Any]]()
 SPAWNS_KEY = pytest.StashKey[bool]()
 #: Node id -> position in session.items, to find the tests after the current one.
 INDEX_KEY = pytest.StashKey[dict[str, int]]()
+#: Whether the run was told that /proc is missing (once).
+NO_PROC_KEY = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl
@@ -252,6 +256,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         return None
     settings = config.stash[SETTINGS_KEY]
     overrides = _overrides(item)
+    if not config.stash.get(NO_PROC_KEY, False) and not _probe.proc_mounted():
+        config.stash[NO_PROC_KEY] = True
+        _reports.record_warning(config, _reports.warning(_reports.NO_PROC), "")
     # pytest's faulthandler_timeout would dump the parent's own wait: the child, which
     # gets the same setting, dumps the test's stacks instead.
     faulthandler.cancel_dump_traceback_later()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -11,6 +13,8 @@ import time
 import psutil
 import pytest
 
+from spawnrun import _forkserver
+from spawnrun import _probe
 from spawnrun import _reports
 
 NO_INTERNAL = "*INTERNALERROR*"
@@ -503,12 +507,15 @@ def test_children_die_with_a_killed_parent(pytester):
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
 
 
-def _pid_namespaces() -> bool:
-    """Whether this machine lets us start a process as pid 1 of a new pid namespace."""
+PID_1 = ["unshare", "--pid", "--fork", "--mount-proc"]
+#: A shell in a mount namespace of its own, with an empty tmpfs over /proc.
+NO_PROC = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+
+
+def _unshare_permitted(args: list[str]) -> bool:
+    """Whether this machine lets us start a process in namespaces of its own."""
     try:
-        done = subprocess.run(
-            ["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True, timeout=30
-        )
+        done = subprocess.run([*args, "true"], capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return False
     return done.returncode == 0
@@ -518,7 +525,7 @@ def _pid_namespaces() -> bool:
 def test_pytest_as_pid_1(pytester, method):
     # A container's first process (docker run image pytest): the children's parent is
     # pid 1, which is no sign that it died.
-    if not _pid_namespaces():
+    if not _unshare_permitted(PID_1):
         pytest.skip("unshare --pid --fork --mount-proc is not permitted here")
     pytester.makepyfile(
         """
@@ -542,6 +549,42 @@ def test_pytest_as_pid_1(pytester, method):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
     assert "forkserver is off" not in done.stdout
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_without_proc_says_what_it_cannot_do(pytester, method):
+    # A bare container without /proc: leftovers cannot be found, and a template whose
+    # threads and CUDA driver cannot be checked is not taken for safe to fork.
+    if not _unshare_permitted([*NO_PROC, "mount -t tmpfs none /proc"]):
+        pytest.skip("unshare --mount (and a mount over /proc) is not permitted here")
+    pytester.makepyfile(
+        """
+        import subprocess
+        import pytest
+
+        @pytest.mark.gpu
+        def test_leaves_a_process():
+            left = subprocess.Popen(["sleep", "30"])
+            open("left.pid", "w").write(str(left.pid))
+        """
+    )
+    run = f"{sys.executable} -m pytest -p no:cacheprovider --spawn-method {method} -rw"
+    done = subprocess.run(
+        [*NO_PROC, f"mount -t tmpfs none /proc && exec {run}"],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    left = int((pytester.path / "left.pid").read_text())
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(left, signal.SIGKILL)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "1 passed" in out and "INTERNALERROR" not in out
+    assert f"SpawnrunWarning: {_reports.NO_PROC}" in out
+    off = "SpawnrunWarning: " + _forkserver.OFF.format(reason=_probe.NO_PROC)
+    assert (off in out) == (method == "forkserver")
 
 
 def test_a_librarys_own_shutdown_at_exit_is_let_finish(pytester):
