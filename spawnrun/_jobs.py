@@ -166,6 +166,8 @@ class Job:
         self.after_notes: list[str] = []
         self.settled_after = 0.0
         self.phase_at_timeout = ""
+        #: The limit that ran out (the test's timeout, or the boot limit).
+        self.limit: float | None = None
         self.stacks_size = 0
         self.last_size = -1
         #: The parent's environment when this job's child started, and the changes to
@@ -192,9 +194,24 @@ class Job:
         return env
 
     def start(self) -> None:
-        """Start the child (ahead of the turn, or at it) with its final environment."""
+        """Start the child (ahead of the turn, or at it) with its final environment.
+
+        A child that cannot be started (no process or descriptor left, say) fails its
+        test with the cause at its turn; one that was to boot ahead is tried again then.
+        """
         self.environ = dict(os.environ)
-        self.child = _start(self.item, self.candidates.pop(0), self.env(), self.executions)
+        try:
+            child = _start(self.item, self.candidates[0], self.env(), self.executions)
+        except Exception as exc:  # noqa: BLE001 - the test's failure, never the run's end
+            self.child = None
+            if self.turned:
+                text = f"{_reports.NOT_STARTED}: {type(exc).__name__}: {exc}\nnode id: "
+                self.replay.fail("setup", text + self.item.nodeid)
+                self.replay.ensure_teardown()
+                self.state, self.deadline = State.FINISHED, None
+            return
+        self.candidates.pop(0)
+        self.child = child
         self.children_started += 1
         self.pids.add(self.child.pid)
         self.started = time.monotonic()
@@ -400,11 +417,13 @@ class Job:
     def _start_dump(self) -> None:
         """Timed out: ask faulthandler in the child for every thread's stack."""
         assert self.child is not None
-        self.phase_at_timeout = (
-            self.replay.pending_phase()
-            if self.state is State.RUNNING
-            else "setup (while the child booted)"
-        )
+        if self.state is State.RUNNING:
+            self.phase_at_timeout, self.limit = self.replay.pending_phase(), self.timeout
+        elif self.timeout is not None and self.timeout >= BOOT_LIMIT:
+            self.phase_at_timeout, self.limit = "setup (while the child booted)", self.timeout
+        else:
+            self.phase_at_timeout = "setup (while the child booted: spawnrun's boot limit)"
+            self.limit = BOOT_LIMIT
         self.stacks_size = _reports.size_of(self.child.spec.stacks_path)
         self.child.dump_stacks()
         self._to(State.DUMPING)
@@ -421,7 +440,7 @@ class Job:
         self.reaped_count += len(self.left_behind)
         self.child.kill()
         phase = self.phase_at_timeout
-        text = f"{_reports.TIMEOUT} (>{self.timeout:g} s) during {phase}\nnode id: "
+        text = f"{_reports.TIMEOUT} (>{self.limit or 0.0:g} s) during {phase}\nnode id: "
         text += self.item.nodeid
         evidence = _reports.evidence(self.child.spec, len(self.left_behind))
         self.timeouts += 1

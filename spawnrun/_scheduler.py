@@ -332,7 +332,16 @@ class Scheduler:
         self._after_events()
 
     def finish(self, limit: float = EXIT_KILL + 5.0) -> None:
-        """Session end: wait (bounded) for every child to be gone and reaped."""
+        """Session end: wait (bounded) for every child to be gone and reaped.
+
+        A child still booted ahead or running now has no turn or report to come (the run
+        loop ended early: an error, an interrupt): it is ended, not waited for.
+        """
+        for job in list(self.jobs):
+            if job.state in LISTENING:
+                job.replayed = True
+                job.abort(STOPPED, report=False)
+        self.ahead = {}
         end = time.monotonic() + limit
         while (self.jobs or self.graveyard) and time.monotonic() < end:
             self.loop_once(min(1.0, max(0.0, end - time.monotonic())))

@@ -587,6 +587,123 @@ def test_without_proc_says_what_it_cannot_do(pytester, method):
     assert (off in out) == (method == "forkserver")
 
 
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_deleted_working_directory_in_the_parent(pytester, method):
+    # An in-process test deletes the directory it made current: children still start
+    # (the spawn launcher reads the parent's working directory), and the parent stays
+    # where the test left it.
+    pytester.makepyfile(
+        """
+        import os, tempfile
+        import pytest
+
+        def test_removes_its_cwd():
+            gone = tempfile.mkdtemp()
+            os.chdir(gone)
+            os.rmdir(gone)
+
+        @pytest.mark.gpu
+        def test_spawned_after():
+            pass
+
+        def test_still_in_the_deleted_directory():
+            with pytest.raises(FileNotFoundError):
+                os.getcwd()
+        """
+    )
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-method", method, "--spawn-lookahead", "0"
+    )
+    assert time.monotonic() - start < 20
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=3)
+
+
+def test_a_child_that_cannot_be_started_fails_its_test(pytester):
+    # Whatever stops a child from starting (no process or descriptor left) is its
+    # test's failure, with the cause; the run goes on.
+    pytester.makeconftest(
+        """
+        import os
+        import spawnrun._jobs
+
+        if os.environ.get("SPAWNRUN_CHILD") != "1":
+            start = spawnrun._jobs._start
+
+            def refuse(item, *args, **kwargs):
+                if "cannot" in item.name:
+                    raise BlockingIOError(11, "Resource temporarily unavailable")
+                return start(item, *args, **kwargs)
+
+            spawnrun._jobs._start = refuse
+        """
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+        pytestmark = pytest.mark.gpu
+
+        def test_cannot_start():
+            pass
+
+        def test_starts():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-lookahead", "2")
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [f"{_reports.NOT_STARTED}: BlockingIOError: *Resource temporarily unavailable*"]
+    )
+
+
+def test_a_zygote_that_dies_before_answering_turns_fast_mode_off(pytester):
+    pytester.makepyfile(
+        diesatimport="import os\nos._exit(3)\n",
+        test_x="import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n",
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-method", "forkserver", "--spawn-preload", "diesatimport"
+    )
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1)
+    off = _forkserver.OFF.format(reason="the template ended before answering (exit status 3")
+    result.stdout.fnmatch_lines([f"*{off}*"])
+
+
+def test_a_boot_past_the_boot_limit_without_a_timeout(pytester):
+    pytester.makeconftest(
+        """
+        import os, time
+        import spawnrun._jobs
+
+        spawnrun._jobs.BOOT_LIMIT = 0.5  # in the parent; 600 s really
+        if os.environ.get("SPAWNRUN_CHILD") == "1":
+            time.sleep(3)
+        """
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        def test_no_timeout():
+            pass
+
+        @pytest.mark.gpu(timeout=0.2)
+        def test_shorter_timeout():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-lookahead", "0")
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(errors=2)
+    booting = "setup (while the child booted: spawnrun's boot limit)"
+    result.stdout.fnmatch_lines([f"{_reports.TIMEOUT} (>0.5 s) during {booting}"] * 2)
+
+
 def test_a_librarys_own_shutdown_at_exit_is_let_finish(pytester):
     # An engine process the test started is stopped by its library's atexit handler,
     # which takes a few seconds (vLLM's takes about 5 s); ended under it, the engine
