@@ -41,6 +41,10 @@ ACTIVE = False
 #: Signal the parent sends to ask for the stacks of all threads before a kill.
 DUMP_SIGNAL = signal.SIGUSR1
 
+#: Plugins that run each test in a fork of the process (pytest-forked, and a local copy
+#: loaded as ``-p forked``): gone from the child before any test runs.
+FORKING_PLUGINS = ("pytest_forked", "forked")
+
 _MAX_LISTED_IDS = 10
 #: How much of the child's own terminal output explains an early end.
 _EARLY_TAIL = 8000
@@ -224,6 +228,12 @@ class _Relay:
         # since plugins (pytest-timeout, --setup-show) write through it, but without its
         # own per-test lines, and into a file (see _Sink).
         pm = config.pluginmanager
+        # A spawned test is never forked again (pytest-forked's --forked or marker):
+        # its process is the fresh one this child is, which a fork would undo.
+        for name in FORKING_PLUGINS:
+            forking = pm.get_plugin(name)
+            if forking is not None:
+                pm.unregister(forking)
         old = pm.get_plugin("terminalreporter")
         if old is not None:
             pm.unregister(old)

@@ -101,6 +101,7 @@ def pytest_configure(config: pytest.Config) -> None:
         lookahead,
         holder,
     )
+    config.pluginmanager.register(_Spawns(), "spawnrun-spawns")
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
     _install_sigterm(config)
@@ -244,8 +245,23 @@ def _spawns(item: pytest.Item) -> bool:
     return spawns
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+class _Spawns:
+    """spawnrun's ``pytest_runtest_protocol``, registered at configure time.
+
+    Among ``tryfirst`` implementations the one registered last runs first: registered
+    after every plugin pytest loaded, spawnrun takes its tests before another plugin
+    that runs tests its own way can (pytest-forked's ``--forked`` would fork the pytest
+    process, CUDA and all). What spawnrun does not spawn, such plugins still run.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> bool | None:
+        return _runtest_protocol(item, nextitem)
+
+
+def _runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
     config = item.config
     scheduler = config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:
