@@ -99,7 +99,7 @@ class Replay:
         setup = self.seen.get("setup")
         if setup is None:
             return "setup"
-        if setup.passed and "call" not in self.seen:
+        if setup.passed and "call" not in self.seen and _calls(self.item):
             return "call"
         return "teardown"
 
@@ -112,7 +112,7 @@ class Replay:
         extra = "".join(f"\n\n{_reports.CHILD_NOTES}:\n{n}" for n in notes)
         if "setup" not in self.seen:
             self.fail("setup", _reports.NO_CALL + " (nor any other report)" + extra)
-        elif self.seen["setup"].passed and "call" not in self.seen:
+        elif self.seen["setup"].passed and "call" not in self.seen and _calls(self.item):
             self.fail("call", _reports.NO_CALL + extra)
         elif "teardown" not in self.seen:
             self.fail("teardown", _reports.NO_TEARDOWN + extra)
@@ -182,6 +182,11 @@ class Replay:
         reporter = self.item.config.pluginmanager.get_plugin("terminalreporter")
         if text and reporter is not None:
             reporter.write(text)
+
+
+def _calls(item: pytest.Item) -> bool:
+    """Whether pytest calls the test after its setup (not with --setup-only/--setup-plan)."""
+    return not item.config.getoption("setuponly", False)
 
 
 class Rendered:

@@ -327,7 +327,7 @@ def test_exitfirst_stops_dispatch_and_reports_running_children(pytester):
 def _session_end(result: pytest.RunResult) -> list[str]:
     """The run's lines after collection, without spawnrun's summary and timings."""
     lines = result.stdout.lines
-    start = next(i for i, line in enumerate(lines) if line.startswith("collected "))
+    start = next(i for i, line in enumerate(lines) if "collected " in line)
     kept = []
     for line in lines[start:]:
         if "spawnrun" in line or " isolated in " in line:
@@ -375,6 +375,42 @@ def test_interrupt_in_child_stops_session_like_in_process(pytester, body, code):
     if "KeyboardInterrupt" in body:
         test_file = pytester.path / "test_interrupt_in_child_stops_session_like_in_process.py"
         assert f"{test_file}:4: KeyboardInterrupt" in ends[1]
+
+
+@pytest.mark.parametrize("option", ["--setup-plan", "--setup-only"])
+def test_setup_plan_and_setup_only_read_as_in_process(pytester, option):
+    # No test is called: the children show their fixtures' setup and teardown, as
+    # pytest does, and no "call report" is missing. (Module- and session-scoped fixtures
+    # would show once per spawned test: each child builds its own.)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.fixture
+        def fix():
+            yield 1
+
+        @pytest.mark.gpu
+        def test_spawned(fix):
+            assert False
+
+        def test_in_process(fix):
+            assert False
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_param(x, fix):
+            assert False
+        """
+    )
+    ends = []
+    for extra in (["--no-spawn"], ["--spawn-jobs", "1"]):
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", option, "-v", *extra)
+        result.stdout.no_fnmatch_line(NO_INTERNAL)
+        result.assert_outcomes()
+        ends.append(_session_end(result))
+    assert ends[1] == ends[0]
+    assert "        SETUP    F fix" in ends[1]
 
 
 def test_fork_unsafe_device_initialized_in_parent(pytester, fakedevice):
