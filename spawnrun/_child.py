@@ -74,7 +74,7 @@ def main(
             # pytest ended before the test was even looked for: an error in a hook at
             # configure or collection time (INTERNALERROR), told to the child's own
             # terminal reporter. Its words are the cause: send them.
-            relay.send(proto.Booted(os.getpid(), False, relay.ended_early(code)))
+            relay.send(proto.Booted(os.getpid(), False, relay.ended_early(code), failed=True))
             relay.booted = True
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         if not relay.booted:
@@ -83,6 +83,7 @@ def main(
                     os.getpid(),
                     False,
                     "error while starting pytest in the child:\n" + traceback.format_exc(),
+                    failed=True,
                 )
             )
         elif not relay.interrupted:
@@ -197,6 +198,8 @@ class _Relay:
         self.booted = False
         self.interrupted = False
         self.collect_errors: list[str] = []
+        #: What pytest reported as internal errors (a hook that raised), as text.
+        self.internal_errors: list[str] = []
         self.notes: list[str] = []
         self.done = False
         self.config: Any = None
@@ -287,6 +290,11 @@ class _Relay:
             self.send(proto.SuiteProperty(name, str(value)))
 
         return record
+
+    def pytest_internalerror(self, excrepr: Any) -> None:
+        # Kept for the parent: an error before this plugin's own pytest_configure ran (a
+        # conftest's raised first) reaches only pytest's original terminal reporter.
+        self.internal_errors.append(str(excrepr))
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
@@ -472,15 +480,18 @@ class _Relay:
 
     def ended_early(self, code: object) -> str:
         text = f"pytest ended in the child before it reached the test (exit status {code})"
-        if self.sink is None:
-            return text
-        self.sink.flush()
-        path = self.sink.own.name
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                said = f.read()[-_EARLY_TAIL:].strip()
-        except OSError:
-            said = ""
+        said = ""
+        if self.sink is not None:
+            self.sink.flush()
+            path = self.sink.own.name
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    said = f.read()[-_EARLY_TAIL:].strip()
+            except OSError:
+                said = ""
+        if not said and self.internal_errors:
+            # The error came before this plugin took the terminal over.
+            said = "\n".join(self.internal_errors)[-_EARLY_TAIL:].strip()
         return f"{text}; the child's pytest said:\n{said}" if said else text
 
     def _other_test(self, mine: str) -> str:

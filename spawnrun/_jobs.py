@@ -292,9 +292,13 @@ class Job:
                 self.state = State.WAITING
         elif isinstance(msg, proto.Booted):
             self.problems.append(msg.problem)
-            if self.candidates:
+            if self.candidates and not msg.failed:
                 self.retire_child()
                 self.start()
+            elif msg.failed:  # not about the id: another collection would fail alike
+                replay.fail("setup", _reports.BOOT_FAILED + "\n\n" + msg.problem)
+                replay.ensure_teardown()
+                self._ended()
             else:  # the child ends by itself
                 replay.add(_reports.make(self.item, "setup", "passed"))
                 replay.fail("call", _reports.NOT_FOUND + "\n\n" + "\n\n".join(self.problems))

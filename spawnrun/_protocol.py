@@ -62,6 +62,9 @@ class Booted:
     found: bool
     #: Why the node id was not found: collection errors, or the ids that were.
     problem: str = ""
+    #: The child's pytest failed before it looked for the test (a conftest's hook
+    #: raised, say): another collection would fail alike, so none is tried.
+    failed: bool = False
 
 
 @dataclass(frozen=True)

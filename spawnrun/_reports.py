@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 NOT_FOUND = "spawnrun: the spawned child could not find this test"
+BOOT_FAILED = "spawnrun: pytest failed in the spawned child before it reached this test"
 NO_CALL = "spawnrun: the spawned child ended without a call report for this test"
 NO_TEARDOWN = "spawnrun: the spawned child ended without a teardown report"
 DIED = "spawnrun: the child process running this test died"

@@ -231,6 +231,38 @@ def test_not_found_is_a_failure_with_collection_errors(pytester):
     result.stdout.no_fnmatch_line(NO_INTERNAL)
 
 
+@pytest.mark.parametrize("hook", ["pytest_configure(config)", "pytest_sessionstart(session)"])
+def test_a_hook_that_fails_in_the_child_shows_its_error_once(pytester, hook):
+    # Not a question of the node id: the error and its traceback are the report, and no
+    # second child collects again only to fail alike.
+    pytester.makeconftest(
+        f"""
+        import os
+        CHILD = os.environ.get("SPAWNRUN_CHILD") == "1"
+        if CHILD:
+            with open("boots.txt", "a") as f:
+                f.write("boot\\n")
+
+        def {hook}:
+            if CHILD:
+                raise RuntimeError("no driver in this child")
+        """
+    )
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            _reports.BOOT_FAILED,
+            "*Traceback (most recent call last):*",
+            "*conftest.py*, line *, in pytest_*",
+            "*RuntimeError: no driver in this child",
+        ]
+    )
+    result.stdout.no_fnmatch_line(f"*{_reports.NOT_FOUND}*")
+    assert (pytester.path / "boots.txt").read_text() == "boot\n"
+
+
 def test_deselected_in_child_lists_what_was_collected(pytester):
     pytester.makeconftest(
         """
@@ -684,7 +716,7 @@ def test_error_in_a_childs_collection_hook_shows_its_traceback(pytester):
     )
     pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(errors=1)  # the test could not be set up in its child
     result.stdout.fnmatch_lines(
         ["*pytest ended in the child before it reached the test*", "*boom in the child's hook*"]
     )
