@@ -216,9 +216,16 @@ LIVE: set[ChildProcess] = set()
 
 
 def group_members(pgid: int) -> list[int]:
-    """Pids in process group or session ``pgid`` (Linux /proc), excluding zombies."""
-    members = []
-    for entry in os.scandir("/proc"):
+    """Pids in process group or session ``pgid`` (Linux /proc), excluding zombies.
+
+    None can be found without /proc (the run warns of it once: ``_reports.NO_PROC``).
+    """
+    members: list[int] = []
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:
+        return members
+    for entry in entries:
         if not entry.name.isdigit():
             continue
         try:

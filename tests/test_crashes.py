@@ -16,6 +16,7 @@ import pytest
 from spawnrun import _forkserver
 from spawnrun import _probe
 from spawnrun import _reports
+from spawnrun import _runner
 
 NO_INTERNAL = "*INTERNALERROR*"
 
@@ -549,6 +550,15 @@ def test_pytest_as_pid_1(pytester, method):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 passed" in done.stdout
     assert "forkserver is off" not in done.stdout
+
+
+def test_no_proc_directory_at_all_finds_no_leftovers(monkeypatch):
+    # A chroot without even the /proc mount point: nothing to find, nothing raised.
+    def missing(path):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(_runner.os, "scandir", missing)
+    assert _runner.group_members(os.getpid()) == []
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
