@@ -43,6 +43,10 @@ ACTIVE = False
 #: Signal the parent sends to ask for the stacks of all threads before a kill.
 DUMP_SIGNAL = signal.SIGUSR1
 
+#: Plugins that run each test in a fork of the process (pytest-forked, and a local copy
+#: loaded as ``-p forked``): gone from the child before any test runs.
+FORKING_PLUGINS = ("pytest_forked", "forked")
+
 _MAX_LISTED_IDS = 10
 #: How much of the child's own terminal output explains an early end.
 _EARLY_TAIL = 8000
@@ -51,12 +55,14 @@ _EARLY_TAIL = 8000
 SECTION_LIMIT = 256 * 1024
 
 
-def main(spec: proto.ChildSpec, conn: Connection, forked: bool = False) -> NoReturn:
+def main(
+    spec: proto.ChildSpec, conn: Connection, forked: bool = False, parent: int | None = None
+) -> NoReturn:
     # Measured from the start, before the suite's conftests and modules are imported.
     _coverage.start(spec.coverage, forked)
     # Before any of the suite's code: its budget caps torch when its CUDA comes up.
     _budget.install()
-    relay = isolate(spec, conn)
+    relay = isolate(spec, conn, parent)
     os.chdir(spec.invocation_dir)
     try:
         config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.args])
@@ -72,7 +78,7 @@ def main(spec: proto.ChildSpec, conn: Connection, forked: bool = False) -> NoRet
             # pytest ended before the test was even looked for: an error in a hook at
             # configure or collection time (INTERNALERROR), told to the child's own
             # terminal reporter. Its words are the cause: send them.
-            relay.send(proto.Booted(os.getpid(), False, relay.ended_early(code)))
+            relay.send(proto.Booted(os.getpid(), False, relay.ended_early(code), failed=True))
             relay.booted = True
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         if not relay.booted:
@@ -81,6 +87,7 @@ def main(spec: proto.ChildSpec, conn: Connection, forked: bool = False) -> NoRet
                     os.getpid(),
                     False,
                     "error while starting pytest in the child:\n" + traceback.format_exc(),
+                    failed=True,
                 )
             )
         elif not relay.interrupted:
@@ -119,11 +126,11 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def isolate(spec: proto.ChildSpec, conn: Connection) -> _Relay:
+def isolate(spec: proto.ChildSpec, conn: Connection, parent: int | None = None) -> _Relay:
     """Make this process a test's own: session, output, crash stacks, capture buffers."""
     global ACTIVE
     ACTIVE = True
-    _probe.die_with_parent()
+    _probe.die_with_parent(parent)
     # Own session and process group: the parent can kill everything the test
     # started with one killpg, and a Ctrl-C at the terminal reaches only the parent.
     os.setsid()
@@ -195,6 +202,8 @@ class _Relay:
         self.booted = False
         self.interrupted = False
         self.collect_errors: list[str] = []
+        #: What pytest reported as internal errors (a hook that raised), as text.
+        self.internal_errors: list[str] = []
         self.notes: list[str] = []
         self.done = False
         self.config: Any = None
@@ -224,6 +233,12 @@ class _Relay:
         # since plugins (pytest-timeout, --setup-show) write through it, but without its
         # own per-test lines, and into a file (see _Sink).
         pm = config.pluginmanager
+        # A spawned test is never forked again (pytest-forked's --forked or marker):
+        # its process is the fresh one this child is, which a fork would undo.
+        for name in FORKING_PLUGINS:
+            forking = pm.get_plugin(name)
+            if forking is not None:
+                pm.unregister(forking)
         old = pm.get_plugin("terminalreporter")
         if old is not None:
             pm.unregister(old)
@@ -277,6 +292,11 @@ class _Relay:
             self.send(proto.SuiteProperty(name, str(value)))
 
         return record
+
+    def pytest_internalerror(self, excrepr: Any) -> None:
+        # Kept for the parent: an error before this plugin's own pytest_configure ran (a
+        # conftest's raised first) reaches only pytest's original terminal reporter.
+        self.internal_errors.append(str(excrepr))
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
@@ -346,17 +366,25 @@ class _Relay:
             _continue_reruns(item, self.spec.executions)
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
-        except KeyboardInterrupt:
-            self.interrupted = True
-            self.send(proto.Interrupted(keyboard=True, message="KeyboardInterrupt"))
+        except KeyboardInterrupt as exc:
+            self._interrupted(_keyboard_interrupt(exc))
             raise
         except pytest.exit.Exception as exc:
-            self.interrupted = True
-            self.send(proto.Interrupted(False, exc.msg, exc.returncode))
+            self._interrupted(proto.Interrupted(False, exc.msg, exc.returncode))
             raise
         # The test is over, session-scoped fixtures included (nextitem=None): say so
         # now. Session finish and unconfigure (pytest's final garbage collections cost
         # ~0.3 s with torch loaded) run after, off the parent's critical path.
+        self.finish()
+
+    def _interrupted(self, msg: proto.Interrupted) -> None:
+        """The test stopped the session: say so, and say "done" before pytest ends here.
+
+        The child's own session end (its "no tests ran" line and exit banner) is no part
+        of the test: the parent's session ends the same way and says it once.
+        """
+        self.interrupted = True
+        self.send(msg)
         self.finish()
 
     def _mark_terminal(self) -> None:
@@ -467,15 +495,18 @@ class _Relay:
 
     def ended_early(self, code: object) -> str:
         text = f"pytest ended in the child before it reached the test (exit status {code})"
-        if self.sink is None:
-            return text
-        self.sink.flush()
-        path = self.sink.own.name
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                said = f.read()[-_EARLY_TAIL:].strip()
-        except OSError:
-            said = ""
+        said = ""
+        if self.sink is not None:
+            self.sink.flush()
+            path = self.sink.own.name
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    said = f.read()[-_EARLY_TAIL:].strip()
+            except OSError:
+                said = ""
+        if not said and self.internal_errors:
+            # The error came before this plugin took the terminal over.
+            said = "\n".join(self.internal_errors)[-_EARLY_TAIL:].strip()
         return f"{text}; the child's pytest said:\n{said}" if said else text
 
     def _other_test(self, mine: str) -> str:
@@ -505,6 +536,16 @@ class _Relay:
             lines.append("the child collected no tests")
         lines += self.collect_errors
         return "\n".join(lines)
+
+
+def _keyboard_interrupt(exc: KeyboardInterrupt) -> proto.Interrupted:
+    """A KeyboardInterrupt raised by the test, with where pytest would say it was raised."""
+    path, lineno = "", 0
+    with contextlib.suppress(Exception):
+        crash = pytest.ExceptionInfo.from_exception(exc).getrepr().reprcrash
+        if crash is not None:
+            path, lineno = str(crash.path), int(crash.lineno)
+    return proto.Interrupted(True, str(exc), None, path, lineno)
 
 
 def _continue_reruns(item: Any, done: int) -> None:

@@ -31,6 +31,7 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _reports
 from spawnrun import _runner
@@ -66,9 +67,14 @@ class Zygote:
         )
         #: The environment the template started with.
         self.environ = dict(os.environ)
-        with _runner.child_environ({}), _runner.no_main_reimport():
-            self.proc.start()
-        child_conn.close()
+        try:
+            with _runner.child_environ({}), _runner.no_main_reimport():
+                self.proc.start()
+        except BaseException:
+            self.conn.close()
+            raise
+        finally:
+            child_conn.close()
         self.pid: int = self.proc.pid or 0
         self.exits: dict[int, int] = {}
         #: The template's messages, read without blocking; answers not yet taken.
@@ -79,6 +85,8 @@ class Zygote:
         #: Modules the template could not import ("name: error"), from every answer.
         self.failed: list[str] = []
         self.closed = False
+        #: How the template ended before answering ("" while it answers).
+        self.ended = ""
 
     def preload(self, modules: list[str]) -> None:
         with contextlib.suppress(OSError):
@@ -96,6 +104,13 @@ class Zygote:
         end = time.monotonic() + limit
         while self.pending:
             reply = self._next(end - time.monotonic())
+            if reply is None and not self.listening:
+                self.proc.join(1.0)  # it is gone: only its exit status is left to read
+                self.ended = (
+                    f"the template ended before answering (exit status {self.proc.exitcode}; "
+                    f"its output: {self.spec.log_path})"
+                )
+                return proto.ZygoteReady(self.pid, self.ended)
             self.pending -= 1
             if not isinstance(reply, proto.ZygoteReady):
                 return proto.ZygoteReady(self.pid, f"it did not answer as expected: {reply!r}")
@@ -230,7 +245,11 @@ class ZygoteHolder:
 
     def start(self, config: Any) -> None:
         """Start the template now, so its imports overlap the parent's own collection."""
-        if self.zygote is not None:
+        if self.zygote is not None or self.off:
+            return
+        if not _probe.proc_mounted():
+            # The template could not check that forking it is safe.
+            self._turn_off(config, _probe.NO_PROC)
             return
         self.workdir = _runner.parent_basetemp(config) / "spawnrun" / "zygote"
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -243,18 +262,21 @@ class ZygoteHolder:
             for m in plugin_modules(config, self.rootdir)
             if m not in self.base and not _rewritten(config, m)
         ]
-        self.zygote = self._make(self.base)
-        if self.optional:
+        self.zygote = self._make(config, self.base)
+        if self.zygote is not None and self.optional:
             self.zygote.preload(self.optional)
 
-    def _make(self, modules: list[str]) -> Zygote:
-        return Zygote(
-            proto.ZygoteSpec(
-                modules=modules,
-                invocation_dir=self.invocation_dir,
-                log_path=str(self.workdir / "output.log"),
-            )
+    def _make(self, config: Any, modules: list[str]) -> Zygote | None:
+        spec = proto.ZygoteSpec(
+            modules=modules,
+            invocation_dir=self.invocation_dir,
+            log_path=str(self.workdir / "output.log"),
         )
+        try:
+            return Zygote(spec)
+        except Exception as exc:  # noqa: BLE001 - fast mode off, never the run's end
+            self._turn_off(config, f"the template could not be started ({exc!r})")
+            return None
 
     def collected(self) -> None:
         """Collection is done: preload the libraries it imported."""
@@ -295,7 +317,7 @@ class ZygoteHolder:
         ready = self.zygote.ready()
         base_tops = {_top(m) for m in self.base}
         for _ in range(RETRIES):
-            if not ready.problem:
+            if not ready.problem or self.zygote.ended:
                 break
             culprit = ready.culprit
             if not culprit or culprit in base_tops:
@@ -306,10 +328,14 @@ class ZygoteHolder:
             _reports.record_warning(config, _reports.warning(text), "")
             self.zygote.close()
             kept = [m for m in self.optional if _top(m) not in self.excluded]
-            self.zygote = self._make(self.base + kept)
+            self.zygote = self._make(config, self.base + kept)
+            if self.zygote is None:
+                return
             ready = self.zygote.ready(end - time.monotonic())
         self._not_imported(config)
-        if ready.problem:
+        if self.zygote.ended:
+            self._turn_off(config, self.zygote.ended)
+        elif ready.problem:
             after = f" (after importing {ready.culprit})" if ready.culprit else ""
             self._turn_off(config, f"the template cannot fork safely: {ready.problem}{after}")
 

@@ -191,6 +191,8 @@ class Job:
         self.after_notes: list[str] = []
         self.settled_after = 0.0
         self.phase_at_timeout = ""
+        #: The limit that ran out (the test's timeout, or the boot limit).
+        self.limit: float | None = None
         self.stacks_size = 0
         self.last_size = -1
         #: The parent's environment when this job's child started, and the changes to
@@ -230,9 +232,24 @@ class Job:
         return env
 
     def start(self) -> None:
-        """Start the child (ahead of the turn, or at it) with its final environment."""
+        """Start the child (ahead of the turn, or at it) with its final environment.
+
+        A child that cannot be started (no process or descriptor left, say) fails its
+        test with the cause at its turn; one that was to boot ahead is tried again then.
+        """
         self.environ = dict(os.environ)
-        self.child = _start(self.item, self.candidates.pop(0), self.env(), self.executions)
+        try:
+            child = _start(self.item, self.candidates[0], self.env(), self.executions)
+        except Exception as exc:  # noqa: BLE001 - the test's failure, never the run's end
+            self.child = None
+            if self.turned:
+                text = f"{_reports.NOT_STARTED}: {type(exc).__name__}: {exc}\nnode id: "
+                self.replay.fail("setup", text + self.item.nodeid)
+                self.replay.ensure_teardown()
+                self.state, self.deadline = State.FINISHED, None
+            return
+        self.candidates.pop(0)
+        self.child = child
         self.children_started += 1
         self.pids.add(self.child.pid)
         self.started = time.monotonic()
@@ -318,9 +335,13 @@ class Job:
                 self.state = State.WAITING
         elif isinstance(msg, proto.Booted):
             self.problems.append(msg.problem)
-            if self.candidates:
+            if self.candidates and not msg.failed:
                 self.retire_child()
                 self.start()
+            elif msg.failed:  # not about the id: another collection would fail alike
+                replay.fail("setup", _reports.BOOT_FAILED + "\n\n" + msg.problem)
+                replay.ensure_teardown()
+                self._ended()
             else:  # the child ends by itself
                 replay.add(_reports.make(self.item, "setup", "passed"))
                 replay.fail("call", _reports.NOT_FOUND + "\n\n" + "\n\n".join(self.problems))
@@ -405,12 +426,20 @@ class Job:
         elif state is State.SETTLING:
             self._poll_settle(now)
 
-    def abort(self, reason: str) -> None:
-        """End the child now (-x, an interrupt elsewhere); a test with its turn says so."""
-        if self.child is not None:
-            self.child.kill()
+    def abort(self, reason: str, report: bool = True) -> None:
+        """End the child now (-x, an interrupt elsewhere); a test with its turn says so.
+
+        ``report=False``: the session was interrupted, and as in-process a test that
+        did not finish has no report.
+        """
+        if self.child is None:
+            if self.state in LISTENING:  # its turn came, but it never started
+                self.turned = False
+                self.state, self.deadline = State.FINISHED, None
+            return
+        self.child.kill()
         if self.state in LISTENING:
-            if self.turned and self.interrupted is None:
+            if report and self.turned and self.interrupted is None:
                 skipped = (str(self.item.path), (self.item.location[1] or 0) + 1, reason)
                 phase = self.replay.pending_phase()
                 self.replay.add(_reports.make(self.item, phase, "skipped", skipped))
@@ -493,11 +522,13 @@ class Job:
     def _start_dump(self) -> None:
         """Timed out: ask faulthandler in the child for every thread's stack."""
         assert self.child is not None
-        self.phase_at_timeout = (
-            self.replay.pending_phase()
-            if self.state is State.RUNNING
-            else "setup (while the child booted)"
-        )
+        if self.state is State.RUNNING:
+            self.phase_at_timeout, self.limit = self.replay.pending_phase(), self.timeout
+        elif self.timeout is not None and self.timeout >= BOOT_LIMIT:
+            self.phase_at_timeout, self.limit = "setup (while the child booted)", self.timeout
+        else:
+            self.phase_at_timeout = "setup (while the child booted: spawnrun's boot limit)"
+            self.limit = BOOT_LIMIT
         self.stacks_size = _reports.size_of(self.child.spec.stacks_path)
         self.child.dump_stacks()
         self._to(State.DUMPING)
@@ -514,7 +545,7 @@ class Job:
         self.reaped_count += len(self.left_behind)
         self.child.kill()
         phase = self.phase_at_timeout
-        text = f"{_reports.TIMEOUT} (>{self.timeout:g} s) during {phase}\nnode id: "
+        text = f"{_reports.TIMEOUT} (>{self.limit or 0.0:g} s) during {phase}\nnode id: "
         text += self.item.nodeid
         evidence = _reports.evidence(self.child.spec, len(self.left_behind))
         self.timeouts += 1

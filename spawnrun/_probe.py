@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
@@ -19,6 +20,18 @@ import sys
 _PR_SET_PDEATHSIG = 1
 #: cuDeviceGetCount's answer before cuInit: the driver is loaded but not initialized.
 _CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+#: Why nothing here can be asked when ``/proc`` is not mounted (a bare container).
+NO_PROC = (
+    "/proc is not mounted, so neither the threads of a process nor whether the CUDA driver "
+    "is initialized in it can be seen"
+)
+
+
+def proc_mounted() -> bool:
+    """Whether this process sees ``/proc`` (threads, mappings, other processes)."""
+    return os.path.exists("/proc/self/stat")
 
 
 def device_runtime() -> str:
@@ -158,17 +171,27 @@ def other_threads() -> list[str]:
     return names
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent: int | None = None) -> None:
     """Be killed when the parent ends, even by SIGKILL (a CI runner's hard stop).
 
     Otherwise a hung child would be reparented to init and hold its GPU forever, its
     timeout gone with the parent. Processes the child started are out of this reach.
+
+    ``parent`` is the pid of the process that started this one; by default the
+    multiprocessing parent (a spawn child knows it from its start), else the parent it
+    has now. A parent that ended before the request took effect shows as another parent
+    (init or a subreaper took this process over). Pid 1 is no sign of that: pytest is
+    pid 1 itself as a container's first process (``docker run image pytest``).
     """
-    parent = os.getppid()
+    if parent is None:
+        started_by = multiprocessing.parent_process()
+        parent = started_by.pid if started_by is not None else None
+    if parent is None:
+        parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         return  # not Linux: the parent's own cleanup is all there is
-    if parent == 1 or os.getppid() != parent:
+    if os.getppid() != parent:
         os._exit(70)  # the parent ended before the request took effect

@@ -70,6 +70,9 @@ class Booted:
     found: bool
     #: Why the node id was not found: collection errors, or the ids that were.
     problem: str = ""
+    #: The child's pytest failed before it looked for the test (a conftest's hook
+    #: raised, say): another collection would fail alike, so none is tried.
+    failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,9 @@ class Interrupted:
     keyboard: bool
     message: str
     returncode: int | None = None
+    #: Where a KeyboardInterrupt was raised (what pytest prints under its banner).
+    path: str = ""
+    lineno: int = 0
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import contextlib
 import sys
 import warnings
 from typing import Any
+from typing import NoReturn
 
 import pytest
 
@@ -100,7 +101,7 @@ class Replay:
         setup = self.seen.get("setup")
         if setup is None:
             return "setup"
-        if setup.passed and "call" not in self.seen:
+        if setup.passed and "call" not in self.seen and _calls(self.item):
             return "call"
         return "teardown"
 
@@ -113,7 +114,7 @@ class Replay:
         extra = "".join(f"\n\n{_reports.CHILD_NOTES}:\n{n}" for n in notes)
         if "setup" not in self.seen:
             self.fail("setup", _reports.NO_CALL + " (nor any other report)" + extra)
-        elif self.seen["setup"].passed and "call" not in self.seen:
+        elif self.seen["setup"].passed and "call" not in self.seen and _calls(self.item):
             self.fail("call", _reports.NO_CALL + extra)
         elif "teardown" not in self.seen:
             self.fail("teardown", _reports.NO_TEARDOWN + extra)
@@ -210,6 +211,11 @@ class Replay:
             reporter.write(text)
 
 
+def _calls(item: pytest.Item) -> bool:
+    """Whether pytest calls the test after its setup (not with --setup-only/--setup-plan)."""
+    return not item.config.getoption("setuponly", False)
+
+
 class Rendered:
     """A failure rendering that crossed the wire as text (a doctest's ``ReprFailDoctest``).
 
@@ -239,6 +245,22 @@ def restore(report: pytest.TestReport, data: dict[str, Any], rendered: bool) -> 
     if context is not None and isinstance(sent, dict) and isinstance(sent.get("kwargs"), dict):
         with contextlib.suppress(Exception):
             object.__setattr__(context, "kwargs", dict(sent["kwargs"]))
+
+
+def raise_interrupt(msg: proto.Interrupted) -> NoReturn:
+    """Stop the parent's session as the child's test stopped its own.
+
+    A KeyboardInterrupt is raised from a frame placed at the test's own line (code
+    compiled under the test file's name): pytest names the place an interrupt was
+    raised under its banner, and that place is the test's, not spawnrun's.
+    """
+    if not msg.keyboard:
+        pytest.exit(msg.message, msg.returncode)
+    exc = KeyboardInterrupt(msg.message) if msg.message else KeyboardInterrupt()
+    if msg.path and msg.lineno > 0:
+        code = compile("\n" * (msg.lineno - 1) + "raise exc", msg.path, "exec")
+        exec(code, {"exc": exc})
+    raise exc
 
 
 def _xfail_of(item: pytest.Item) -> Any:

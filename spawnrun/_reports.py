@@ -14,9 +14,11 @@ from typing import Any
 import pytest
 
 NOT_FOUND = "spawnrun: the spawned child could not find this test"
+BOOT_FAILED = "spawnrun: pytest failed in the spawned child before it reached this test"
 NO_CALL = "spawnrun: the spawned child ended without a call report for this test"
 NO_TEARDOWN = "spawnrun: the spawned child ended without a teardown report"
 DIED = "spawnrun: the child process running this test died"
+NOT_STARTED = "spawnrun: the child process for this test could not be started"
 CHILD_NOTES = "spawnrun: child notes"
 PIPE_CLOSED = (
     "it closed its pipe to the parent before reporting the end of the test (did the test "
@@ -25,6 +27,10 @@ PIPE_CLOSED = (
 UNREADABLE = "what it sent the parent cannot be read"
 TIMEOUT = "Timeout"
 REAPED = "spawnrun: reaped {n} process(es) left behind by this test"
+NO_PROC = (
+    "spawnrun: /proc is not mounted: processes that spawned tests leave behind cannot be "
+    "found, so they are neither ended nor counted (mount /proc to have them reaped)"
+)
 STUCK_EXIT = (
     "spawnrun: the child of this test did not exit within {s:g} s of the test's end and "
     "was killed (a non-daemon thread or process it left behind?)"

@@ -136,9 +136,38 @@ def child_dir(config: pytest.Config, nodeid: str, serial: int) -> Path:
     return parent_basetemp(config) / "spawnrun" / f"{serial:04d}-{name}"
 
 
-def child_environ(overrides: Mapping[str, str]) -> contextlib.AbstractContextManager[None]:
-    """The environment a child starts with: ours, marked as a child's, plus ``overrides``."""
-    return _environ({CHILD_ENV: "1", **overrides})
+@contextlib.contextmanager
+def child_environ(overrides: Mapping[str, str]) -> Iterator[None]:
+    """The environment a child starts with: ours, marked as a child's, plus ``overrides``.
+
+    And a working directory that exists: the spawn launcher hands the child
+    ``os.getcwd()``, which fails once a test deleted the directory it made current.
+    """
+    with _environ({CHILD_ENV: "1", **overrides}), _existing_cwd():
+        yield
+
+
+@contextlib.contextmanager
+def _existing_cwd() -> Iterator[None]:
+    """Start from ``/`` while our working directory is deleted, and come back to it after.
+
+    The child goes to the invocation directory itself; this process stays where the test
+    left it (a deleted directory is still one to return to, through a descriptor).
+    """
+    try:
+        os.getcwd()
+    except OSError:
+        pass
+    else:
+        yield
+        return
+    here = os.open(".", os.O_RDONLY)
+    try:
+        os.chdir("/")
+        yield
+    finally:
+        os.fchdir(here)
+        os.close(here)
 
 
 @contextlib.contextmanager
@@ -189,9 +218,16 @@ LIVE: set[ChildProcess] = set()
 
 
 def group_members(pgid: int) -> list[int]:
-    """Pids in process group or session ``pgid`` (Linux /proc), excluding zombies."""
-    members = []
-    for entry in os.scandir("/proc"):
+    """Pids in process group or session ``pgid`` (Linux /proc), excluding zombies.
+
+    None can be found without /proc (the run warns of it once: ``_reports.NO_PROC``).
+    """
+    members: list[int] = []
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:
+        return members
+    for entry in entries:
         if not entry.name.isdigit():
             continue
         try:
@@ -313,9 +349,14 @@ class ChildProcess:
             name=f"spawnrun {spec.nodeid}",
             daemon=False,
         )
-        with child_environ(env), no_main_reimport():
-            proc.start()
-        child_conn.close()
+        try:
+            with child_environ(env), no_main_reimport():
+                proc.start()
+        except BaseException:
+            conn.close()
+            raise
+        finally:
+            child_conn.close()
         self._proc: Any = proc
         pidfd = _pidfd(proc.pid or 0)
         self._adopt(spec, conn, proc.pid or 0, proc.sentinel if pidfd is None else pidfd)

@@ -337,11 +337,15 @@ class Scheduler:
     def _replay(self, job: Job) -> None:
         """Replay what the child reported; re-raise its pytest.exit / KeyboardInterrupt."""
         if job.interrupted is not None:
-            # As in-process: the reports so far, then the session stops.
+            # As in-process: the reports so far, then the session stops, and nothing
+            # else runs or reports: every other child (running, booted ahead) ends now.
             job.replay.emit(None, interrupted=True)
-            if job.interrupted.keyboard:
-                raise KeyboardInterrupt
-            pytest.exit(job.interrupted.message, job.interrupted.returncode)
+            for other in list(self.jobs):
+                if other is not job:
+                    other.replayed = True
+                    other.abort(STOPPED, report=False)
+            self.ahead = {}
+            _replay.raise_interrupt(job.interrupted)
         job.replay.emit(job.parent_error)
 
     # Ends ----------------------------------------------------------------------------
@@ -365,7 +369,16 @@ class Scheduler:
         self._after_events()
 
     def finish(self, limit: float = EXIT_KILL + 5.0) -> None:
-        """Session end: wait (bounded) for every child to be gone and reaped."""
+        """Session end: wait (bounded) for every child to be gone and reaped.
+
+        A child still booted ahead or running now has no turn or report to come (the run
+        loop ended early: an error, an interrupt): it is ended, not waited for.
+        """
+        for job in list(self.jobs):
+            if job.state in LISTENING:
+                job.replayed = True
+                job.abort(STOPPED, report=False)
+        self.ahead = {}
         end = time.monotonic() + limit
         while (self.jobs or self.graveyard) and time.monotonic() < end:
             self.loop_once(min(1.0, max(0.0, end - time.monotonic())))
@@ -379,6 +392,7 @@ class Scheduler:
                 self.graveyard.append(job.child)
             self.graveyard.extend(job.take_retired())
             self._give_back(job)
+            self._count(job)  # the run summary still tells what ran
         self.jobs, self.ahead = [], {}
         end = time.monotonic() + 2.0  # for all of them together: SIGKILL is quick
         for child in self.graveyard:

@@ -56,6 +56,8 @@ def main(spec: proto.ZygoteSpec, conn: Connection) -> None:
 
 def unsafe_state() -> str:
     """Why forking this process now would be unsafe ("" if it is safe)."""
+    if not _probe.proc_mounted():
+        return _probe.NO_PROC  # what cannot be checked is not safe
     runtime = _probe.device_runtime()
     if runtime:
         return runtime
@@ -185,11 +187,12 @@ class _Template:
                 os.close(handle)
             self.conn.send(proto.Refused(self.refusal))
             return
+        template = os.getpid()
         pid = os.fork()
         if pid == 0:
             for target, stream in zip((1, 2), streams, strict=False):
                 os.dup2(stream, target)
-            _forked_child(request, fd, self.conn, list(self.children))
+            _forked_child(request, fd, self.conn, list(self.children), template)
         for handle in (fd, *streams):
             os.close(handle)
         self.children[os.pidfd_open(pid)] = pid
@@ -197,7 +200,7 @@ class _Template:
 
 
 def _forked_child(
-    request: proto.ForkRequest, fd: int, template: Connection, inherited: list[int]
+    request: proto.ForkRequest, fd: int, template: Connection, inherited: list[int], parent: int
 ) -> Any:
     try:
         template.close()
@@ -208,7 +211,8 @@ def _forked_child(
         for name in request.unset:
             os.environ.pop(name, None)
         os.environ.update(request.env)
-        _child.main(request.spec, Connection(fd), forked=True)
+        # Its parent is the template, not the multiprocessing parent it inherited.
+        _child.main(request.spec, Connection(fd), forked=True, parent=parent)
     finally:
         # Never run the template's code again, whatever happened.
         os._exit(70)

@@ -25,6 +25,8 @@ from spawnrun import _devices
 from spawnrun import _forkserver
 from spawnrun import _jobs
 from spawnrun import _packing
+from spawnrun import _probe
+from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _scheduler
 from spawnrun import _settings
@@ -44,6 +46,8 @@ PEAKS_KEY = pytest.StashKey[dict[str, int]]()
 CACHE_PEAKS = "spawnrun/peaks"
 #: Node id -> position in session.items, to find the tests after the current one.
 INDEX_KEY = pytest.StashKey[dict[str, int]]()
+#: Whether the run was told that /proc is missing (once).
+NO_PROC_KEY = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl
@@ -129,6 +133,7 @@ def pytest_configure(config: pytest.Config) -> None:
         lookahead,
         holder,
     )
+    config.pluginmanager.register(_Spawns(), "spawnrun-spawns")
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
     _install_sigterm(config)
@@ -362,8 +367,23 @@ def _spawns(item: pytest.Item) -> bool:
     return spawns
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+class _Spawns:
+    """spawnrun's ``pytest_runtest_protocol``, registered at configure time.
+
+    Among ``tryfirst`` implementations the one registered last runs first: registered
+    after every plugin pytest loaded, spawnrun takes its tests before another plugin
+    that runs tests its own way can (pytest-forked's ``--forked`` would fork the pytest
+    process, CUDA and all). What spawnrun does not spawn, such plugins still run.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(
+        self, item: pytest.Item, nextitem: pytest.Item | None
+    ) -> bool | None:
+        return _runtest_protocol(item, nextitem)
+
+
+def _runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
     config = item.config
     scheduler = config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:
@@ -372,6 +392,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         scheduler.loop_once(0)  # replay children that ended meanwhile
         scheduler.prefetch(_upcoming(item, nextitem, scheduler))
         return None
+    if not config.stash.get(NO_PROC_KEY, False) and not _probe.proc_mounted():
+        config.stash[NO_PROC_KEY] = True
+        _reports.record_warning(config, _reports.warning(_reports.NO_PROC), "")
     # pytest's faulthandler_timeout would dump the parent's own wait: the child, which
     # gets the same setting, dumps the test's stacks instead.
     faulthandler.cancel_dump_traceback_later()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -87,6 +88,7 @@ def test_ini_spawn_gpu_spawns_everything(pytester):
 
 MIXED = """
 import os
+import re
 import sys
 import pytest
 import spawnrun
@@ -229,6 +231,38 @@ def test_not_found_is_a_failure_with_collection_errors(pytester):
     result.stdout.no_fnmatch_line(NO_INTERNAL)
 
 
+@pytest.mark.parametrize("hook", ["pytest_configure(config)", "pytest_sessionstart(session)"])
+def test_a_hook_that_fails_in_the_child_shows_its_error_once(pytester, hook):
+    # Not a question of the node id: the error and its traceback are the report, and no
+    # second child collects again only to fail alike.
+    pytester.makeconftest(
+        f"""
+        import os
+        CHILD = os.environ.get("SPAWNRUN_CHILD") == "1"
+        if CHILD:
+            with open("boots.txt", "a") as f:
+                f.write("boot\\n")
+
+        def {hook}:
+            if CHILD:
+                raise RuntimeError("no driver in this child")
+        """
+    )
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        [
+            _reports.BOOT_FAILED,
+            "*Traceback (most recent call last):*",
+            "*conftest.py*, line *, in pytest_*",
+            "*RuntimeError: no driver in this child",
+        ]
+    )
+    result.stdout.no_fnmatch_line(f"*{_reports.NOT_FOUND}*")
+    assert (pytester.path / "boots.txt").read_text() == "boot\n"
+
+
 def test_deselected_in_child_lists_what_was_collected(pytester):
     pytester.makeconftest(
         """
@@ -249,6 +283,7 @@ def test_deselected_in_child_lists_what_was_collected(pytester):
 
 GUARD_CONFTEST = """
 import os
+import re
 import sys
 import pytest
 
@@ -321,15 +356,28 @@ def test_exitfirst_stops_dispatch_and_reports_running_children(pytester):
     assert not (pytester.path / "three.txt").exists()
 
 
+def _session_end(result: pytest.RunResult) -> list[str]:
+    """The run's lines after collection, without spawnrun's summary and timings."""
+    lines = result.stdout.lines
+    start = next(i for i, line in enumerate(lines) if "collected " in line)
+    kept = []
+    for line in lines[start:]:
+        if "spawnrun" in line or " isolated in " in line:
+            continue
+        kept.append(re.sub(r" in [0-9.]+s ", " in Ts ", line))
+    return kept
+
+
 @pytest.mark.parametrize(
-    "body, code, message",
+    "body, code",
     [
-        ("pytest.exit('stop the run', returncode=3)", 3, "*Exit: stop the run*"),
-        ("raise KeyboardInterrupt", 2, "*KeyboardInterrupt*"),
+        ("pytest.exit('stop the run', returncode=3)", 3),
+        ("pytest.exit('stop the run')", 2),
+        ("raise KeyboardInterrupt", 2),
     ],
-    ids=["pytest.exit", "KeyboardInterrupt"],
+    ids=["pytest.exit-code", "pytest.exit", "KeyboardInterrupt"],
 )
-def test_interrupt_in_child_stops_session_like_in_process(pytester, body, code, message):
+def test_interrupt_in_child_stops_session_like_in_process(pytester, body, code):
     pytester.makepyfile(
         f"""
         import pytest
@@ -338,16 +386,63 @@ def test_interrupt_in_child_stops_session_like_in_process(pytester, body, code, 
             {body}
         def test_never_runs():
             open("ran.txt", "w").write("x")
+        def test_booted_ahead():
+            pass
         """
     )
     # One child at a time: with more, a test already running when the session stops is
-    # stopped too (and may have started), which in-process pytest cannot show.
-    for extra in (["--spawn-jobs", "1"], ["--no-spawn"]):
+    # stopped too (and may have started), which in-process pytest cannot show. Children
+    # booted ahead for the tests after it are killed at once.
+    ends = []
+    for extra in (["--no-spawn"], ["--spawn-jobs", "1", "--spawn-lookahead", "2"]):
+        start = time.monotonic()
         result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *extra)
+        assert time.monotonic() - start < 15
         assert result.ret == code
-        result.stdout.fnmatch_lines([message])
         result.stdout.no_fnmatch_line(NO_INTERNAL)
         assert not (pytester.path / "ran.txt").exists()
+        ends.append(_session_end(result))
+    # The same lines: one banner, one "no tests ran", the interrupt's place in the test.
+    assert ends[1] == ends[0]
+    if "KeyboardInterrupt" in body:
+        test_file = pytester.path / "test_interrupt_in_child_stops_session_like_in_process.py"
+        assert f"{test_file}:4: KeyboardInterrupt" in ends[1]
+
+
+@pytest.mark.parametrize("option", ["--setup-plan", "--setup-only"])
+def test_setup_plan_and_setup_only_read_as_in_process(pytester, option):
+    # No test is called: the children show their fixtures' setup and teardown, as
+    # pytest does, and no "call report" is missing. (Module- and session-scoped fixtures
+    # would show once per spawned test: each child builds its own.)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.fixture
+        def fix():
+            yield 1
+
+        @pytest.mark.gpu
+        def test_spawned(fix):
+            assert False
+
+        def test_in_process(fix):
+            assert False
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_param(x, fix):
+            assert False
+        """
+    )
+    ends = []
+    for extra in (["--no-spawn"], ["--spawn-jobs", "1"]):
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", option, "-v", *extra)
+        result.stdout.no_fnmatch_line(NO_INTERNAL)
+        result.assert_outcomes()
+        ends.append(_session_end(result))
+    assert ends[1] == ends[0]
+    assert "        SETUP    F fix" in ends[1]
 
 
 def test_fork_unsafe_device_initialized_in_parent(pytester, fakedevice):
@@ -658,7 +753,7 @@ def test_error_in_a_childs_collection_hook_shows_its_traceback(pytester):
     )
     pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(errors=1)  # the test could not be set up in its child
     result.stdout.fnmatch_lines(
         ["*pytest ended in the child before it reached the test*", "*boom in the child's hook*"]
     )

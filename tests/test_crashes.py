@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -14,6 +15,8 @@ import time
 import psutil
 import pytest
 
+from spawnrun import _forkserver
+from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _reports
 from spawnrun import _runner
@@ -506,6 +509,212 @@ def test_children_die_with_a_killed_parent(pytester):
             break
         time.sleep(0.1)
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == "zombie"
+
+
+PID_1 = ["unshare", "--pid", "--fork", "--mount-proc"]
+#: A shell in a mount namespace of its own, with an empty tmpfs over /proc.
+NO_PROC = ["unshare", "--mount", "--propagation", "private", "sh", "-c"]
+
+
+def _unshare_permitted(args: list[str]) -> bool:
+    """Whether this machine lets us start a process in namespaces of its own."""
+    try:
+        done = subprocess.run([*args, "true"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_pytest_as_pid_1(pytester, method):
+    # A container's first process (docker run image pytest): the children's parent is
+    # pid 1, which is no sign that it died.
+    if not _unshare_permitted(PID_1):
+        pytest.skip("unshare --pid --fork --mount-proc is not permitted here")
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+        import spawnrun
+
+        def test_in_process_is_pid_1():
+            assert os.getpid() == 1
+            assert spawnrun.call(abs, -3, timeout=60) == 3
+
+        @pytest.mark.gpu
+        def test_spawned():
+            assert spawnrun.is_child()
+            assert spawnrun.call(abs, -3, timeout=60) == 3
+        """
+    )
+    args = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "pytest"]
+    args += ["-p", "no:cacheprovider", "--spawn-method", method, "-W", "error"]
+    done = subprocess.run(args, cwd=pytester.path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 passed" in done.stdout
+    assert "forkserver is off" not in done.stdout
+
+
+def test_no_proc_directory_at_all_finds_no_leftovers(monkeypatch):
+    # A chroot without even the /proc mount point: nothing to find, nothing raised.
+    def missing(path):
+        raise FileNotFoundError(2, "No such file or directory", path)
+
+    monkeypatch.setattr(_runner.os, "scandir", missing)
+    assert _runner.group_members(os.getpid()) == []
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_without_proc_says_what_it_cannot_do(pytester, method):
+    # A bare container without /proc: leftovers cannot be found, and a template whose
+    # threads and CUDA driver cannot be checked is not taken for safe to fork.
+    if not _unshare_permitted([*NO_PROC, "mount -t tmpfs none /proc"]):
+        pytest.skip("unshare --mount (and a mount over /proc) is not permitted here")
+    pytester.makepyfile(
+        """
+        import subprocess
+        import pytest
+
+        @pytest.mark.gpu
+        def test_leaves_a_process():
+            left = subprocess.Popen(["sleep", "30"])
+            open("left.pid", "w").write(str(left.pid))
+        """
+    )
+    run = f"{sys.executable} -m pytest -p no:cacheprovider --spawn-method {method} -rw"
+    done = subprocess.run(
+        [*NO_PROC, f"mount -t tmpfs none /proc && exec {run}"],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    left = int((pytester.path / "left.pid").read_text())
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(left, signal.SIGKILL)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "1 passed" in out and "INTERNALERROR" not in out
+    assert f"SpawnrunWarning: {_reports.NO_PROC}" in out
+    off = "SpawnrunWarning: " + _forkserver.OFF.format(reason=_probe.NO_PROC)
+    assert (off in out) == (method == "forkserver")
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_deleted_working_directory_in_the_parent(pytester, method):
+    # An in-process test deletes the directory it made current: children still start
+    # (the spawn launcher reads the parent's working directory), and the parent stays
+    # where the test left it.
+    pytester.makepyfile(
+        """
+        import os, tempfile
+        import pytest
+
+        def test_removes_its_cwd():
+            gone = tempfile.mkdtemp()
+            os.chdir(gone)
+            os.rmdir(gone)
+
+        @pytest.mark.gpu
+        def test_spawned_after():
+            pass
+
+        def test_still_in_the_deleted_directory():
+            with pytest.raises(FileNotFoundError):
+                os.getcwd()
+        """
+    )
+    start = time.monotonic()
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-method", method, "--spawn-lookahead", "0"
+    )
+    assert time.monotonic() - start < 20
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=3)
+
+
+def test_a_child_that_cannot_be_started_fails_its_test(pytester):
+    # Whatever stops a child from starting (no process or descriptor left) is its
+    # test's failure, with the cause; the run goes on.
+    pytester.makeconftest(
+        """
+        import os
+        import spawnrun._jobs
+
+        if os.environ.get("SPAWNRUN_CHILD") != "1":
+            start = spawnrun._jobs._start
+
+            def refuse(item, *args, **kwargs):
+                if "cannot" in item.name:
+                    raise BlockingIOError(11, "Resource temporarily unavailable")
+                return start(item, *args, **kwargs)
+
+            spawnrun._jobs._start = refuse
+        """
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+        pytestmark = pytest.mark.gpu
+
+        def test_cannot_start():
+            pass
+
+        def test_starts():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-lookahead", "2")
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        [f"{_reports.NOT_STARTED}: BlockingIOError: *Resource temporarily unavailable*"]
+    )
+
+
+def test_a_zygote_that_dies_before_answering_turns_fast_mode_off(pytester):
+    pytester.makepyfile(
+        diesatimport="import os\nos._exit(3)\n",
+        test_x="import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n",
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-method", "forkserver", "--spawn-preload", "diesatimport"
+    )
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1)
+    off = _forkserver.OFF.format(reason="the template ended before answering (exit status 3")
+    result.stdout.fnmatch_lines([f"*{off}*"])
+
+
+def test_a_boot_past_the_boot_limit_without_a_timeout(pytester):
+    pytester.makeconftest(
+        """
+        import os, time
+        import spawnrun._jobs
+
+        spawnrun._jobs.BOOT_LIMIT = 0.5  # in the parent; 600 s really
+        if os.environ.get("SPAWNRUN_CHILD") == "1":
+            time.sleep(3)
+        """
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        def test_no_timeout():
+            pass
+
+        @pytest.mark.gpu(timeout=0.2)
+        def test_shorter_timeout():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-lookahead", "0")
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(errors=2)
+    booting = "setup (while the child booted: spawnrun's boot limit)"
+    result.stdout.fnmatch_lines([f"{_reports.TIMEOUT} (>0.5 s) during {booting}"] * 2)
 
 
 def test_a_librarys_own_shutdown_at_exit_is_let_finish(pytester):

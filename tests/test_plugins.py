@@ -251,3 +251,36 @@ def test_a_report_with_a_value_of_the_tests_is_reported_once_under_rerunfailures
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--reruns", "1", "-rA")
     result.stdout.no_fnmatch_line(NO_INTERNAL)
     result.assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize("order", [[], ["-p", "spawnrun"]], ids=["entry-points", "spawnrun-first"])
+def test_forked_never_forks_a_spawned_test(pytester, order):
+    # pytest-forked's --forked (and its marker) fork the process that runs a test: the
+    # parent for what spawnrun runs in-process, never a spawned child, whichever plugin
+    # pytest loaded first (-p spawnrun registers spawnrun before pytest-forked).
+    pytest.importorskip("pytest_forked")
+    pytester.makeconftest(
+        """
+        import os
+        if os.environ.get("SPAWNRUN_CHILD") == "1":
+            os.environ["BOOTED_IN"] = str(os.getpid())
+        """
+    )
+    pytester.makepyfile(
+        """
+        import os
+        import pytest
+
+        @pytest.mark.gpu
+        def test_spawned():
+            assert os.environ["BOOTED_IN"] == str(os.getpid())
+
+        @pytest.mark.gpu
+        @pytest.mark.forked
+        def test_spawned_and_marked_forked():
+            assert os.environ["BOOTED_IN"] == str(os.getpid())
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *order, "--forked")
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=2)
