@@ -509,6 +509,11 @@ class Job:
     def _died(self, code: int | None, cause: str = "") -> None:
         child = self.child
         assert child is not None
+        if self.state is State.DUMPING:
+            # Asked for its stacks, it died of the asking (faulthandler was not armed yet,
+            # early in its boot): it timed out, and is judged so.
+            self._poll_dump(time.monotonic(), force=True)
+            return
         phase = self.replay.pending_phase() if self.state is State.RUNNING else "setup"
         self.left_behind = child.others()
         _runner.signal_pids(self.left_behind, signal.SIGKILL)
@@ -533,12 +538,12 @@ class Job:
         self.child.dump_stacks()
         self._to(State.DUMPING)
 
-    def _poll_dump(self, now: float) -> None:
+    def _poll_dump(self, now: float, force: bool = False) -> None:
         assert self.child is not None
         size = _reports.size_of(self.child.spec.stacks_path)
         written = size > self.stacks_size and size == self.last_size
         self.last_size = size
-        if not written and now - self.since < DUMP_LIMIT:
+        if not force and not written and now - self.since < DUMP_LIMIT:
             self.deadline = now + 2 * POLL
             return
         self.left_behind = self.child.others()
