@@ -573,7 +573,7 @@ def _start(
         invocation_dir=str(config.invocation_params.dir),
         log_path=None if live else str(workdir / "output.log"),
         stacks_path=str(workdir / "stacks.txt"),
-        fingerprint=proto.fingerprint(item),
+        params=proto.bindings(item),
         workerinput=run.workerinput,
         late_options=run.late_options,
         executions=executions,
