@@ -33,6 +33,7 @@ import pytest
 from spawnrun import _coverage
 from spawnrun import _probe
 from spawnrun import _protocol as proto
+from spawnrun import _stackhook
 
 #: True in a process whose pytest session was started by ``main``: the plugin then
 #: leaves running tests to pytest instead of spawning again.
@@ -130,6 +131,8 @@ def isolate(spec: proto.ChildSpec, conn: Connection) -> _Relay:
         os.close(fd)
     stacks = open(spec.stacks_path, "w")  # noqa: SIM115 - lives as long as the process
     _arm_faulthandler(stacks)
+    # And every Python process the test starts, for the stacks of a timeout.
+    _stackhook.install(os.path.dirname(spec.stacks_path))
     _name_capture_files(os.path.dirname(spec.stacks_path))
     return _Relay(spec, conn, stacks)
 
@@ -337,6 +340,7 @@ class _Relay:
         for name in go.env_unset:
             os.environ.pop(name, None)
         os.environ.update(go.env_set)
+        _stackhook.install(os.path.dirname(self.spec.stacks_path))  # a new PYTHONPATH, say
         if self.spec.executions:
             _continue_reruns(item, self.spec.executions)
         try:

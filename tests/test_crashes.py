@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -163,6 +164,64 @@ def test_timeout_dumps_stacks_then_kills(pytester):
             "*Failed: Timeout*",
         ]
     )
+
+
+TREE = """
+import multiprocessing, subprocess, sys, time
+import pytest
+
+def spawned_worker_waits(ready):
+    ready.set()
+    time.sleep(300)
+
+def forked_worker_waits(ready):
+    ready.set()
+    time.sleep(300)
+
+POPEN = "def popen_worker_waits():\\n    print('ready', flush=True)\\n    time.sleep(300)\\n"
+
+@pytest.mark.gpu(timeout=10)
+def test_hangs_below():
+    for method, target in (("spawn", spawned_worker_waits), ("fork", forked_worker_waits)):
+        ctx = multiprocessing.get_context(method)
+        ready = ctx.Event()
+        ctx.Process(target=target, args=(ready,)).start()
+        assert ready.wait(60)
+    code = "import time\\n" + POPEN + "popen_worker_waits()\\n"
+    popen = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert popen.stdout.readline() == "ready\\n"
+    subprocess.Popen(["sleep", "300"])
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_timeout_shows_the_stacks_of_every_process_below_the_child(pytester, method):
+    # GPU tests hang in their grandchildren (an engine core, a worker pool, NCCL ranks):
+    # a timeout shows the stacks of every Python process below the child, spawned,
+    # forked or started with subprocess, each with its pid and command line.
+    pytester.makepyfile(test_tree=TREE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-method", method)
+    result.assert_outcomes(failed=1)
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    out = result.stdout.str()
+    title = re.escape(_reports.BELOW).replace(r"\{pid\}", r"(\d+)").replace(r"\{ppid\}", r"\d+")
+    title = title.replace(r"\{command\}", "(.*?)")
+    found = re.findall(rf"-+ {title} -+\n(.*?)(?=\n-+ spawnrun|\n[=_]{{3,}})", out, re.S)
+    assert len(found) >= 4, out
+    stacks = {}
+    for pid, command, text in found:
+        stacks[pid] = (command, text)
+    kinds = {
+        "spawned": "in spawned_worker_waits",
+        "forked": "in forked_worker_waits",
+        "popen": "in popen_worker_waits",
+    }
+    for kind, frame in kinds.items():
+        assert any(frame in text for _, text in stacks.values()), (kind, out)
+    spawned = [c for c, text in stacks.values() if kinds["spawned"] in text]
+    assert "spawn_main" in spawned[0]
+    assert [text for c, text in stacks.values() if c == "sleep 300"] == [_reports.NOT_ASKED]
 
 
 ORPHANS = """
