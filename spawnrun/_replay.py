@@ -45,6 +45,8 @@ class Replay:
         self.xml_attributes: list[tuple[str, str]] = []
         #: (name, value) pairs added to every report: devices, wall time.
         self.properties: list[tuple[str, object]] = []
+        #: Whether the test's start was logged (at its turn, when tests run one at a time).
+        self.started = False
 
     def enter(self, when: str) -> None:
         self.phase = when
@@ -151,7 +153,7 @@ class Replay:
         only the reports it made, as in-process pytest would show.
         """
         item = self.item
-        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        self.start()
         if self.xml_attributes:
             _xml_attributes(item, self.xml_attributes)
         if interrupted:
@@ -175,6 +177,13 @@ class Replay:
         for wm in self.warnings:
             _reports.record_warning(item.config, wm, item.nodeid)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+
+    def start(self) -> None:
+        """Log the test's start (pytest's node id line with -v), once."""
+        if not self.started:
+            self.started = True
+            item = self.item
+            item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
 
     def _write(self, text: str) -> None:
         """Print what the child's terminal got, as pytest would have printed it."""

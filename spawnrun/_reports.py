@@ -38,6 +38,7 @@ NO_ANSWER = (
 )
 #: Processes below a child shown at most, each stack at most TAIL_BYTES.
 BELOW_SHOWN = 32
+INTERRUPTED_RUNNING = "spawnrun: interrupted while these tests ran in children (killed)"
 CAPTURED = "spawnrun: output the test printed before the end (tail)"
 OUTPUT = "spawnrun: child process stdout/stderr (tail)"
 BOOT_NOTE = "spawnrun: booted ahead"

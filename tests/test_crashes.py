@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from pytest import LineMatcher
 
 from spawnrun import _reports
 
@@ -305,6 +306,60 @@ def test_interrupting_the_parent_ends_children(pytester, signum):
     assert [
         p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
     ] == []
+
+
+@pytest.mark.parametrize(
+    "jobs, method", [("1", "spawn"), ("2", "forkserver")], ids=["one-at-a-time", "two-fast"]
+)
+def test_what_runs_is_shown_and_named_on_ctrl_c(pytester, jobs, method):
+    # During a long spawned test the terminal shows what runs (one at a time: pytest's
+    # own node id line, as in-process; several: a line per test started, off a
+    # terminal), and a Ctrl-C names the tests it interrupted.
+    pytester.makepyfile(
+        test_long="""
+        import time
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("i", [0, 1])
+        def test_long(i):
+            open(f"started-{i}", "w").close()
+            time.sleep(300)
+        """
+    )
+    args = ["-p", "no:cacheprovider", "-v", "--spawn-jobs", jobs, "--spawn-method", method]
+    out_path = pytester.path / "out.txt"
+    with out_path.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *args],
+            cwd=pytester.path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        started = [pytester.path / f"started-{i}" for i in range(int(jobs))]
+        deadline = time.monotonic() + 60
+        while not all(p.exists() for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        before = out_path.read_text()  # what the terminal showed while the tests ran
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    text = out_path.read_text()
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, text
+    assert "INTERNALERROR" not in text
+    if method == "forkserver":
+        assert "fast mode, --spawn-method forkserver" in text.splitlines()[2]
+    running = [f"test_long.py::test_long[[]{i}[]]" for i in range(int(jobs))]
+    if jobs == "1":
+        assert before.rstrip().endswith("test_long.py::test_long[0]"), before
+    else:
+        lines = LineMatcher(before.splitlines())
+        lines.fnmatch_lines_random([f"spawnrun: running {r} [[]gpu ?[]]" for r in running])
+    LineMatcher(text.splitlines()).fnmatch_lines(
+        [f"*{_reports.INTERRUPTED_RUNNING}*"]
+        + [f"{r} [[]gpu ?[]] (call, * s)" for r in running]
+        + ["*KeyboardInterrupt*"]
+    )
 
 
 def test_huge_output_is_bounded(pytester):

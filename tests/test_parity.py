@@ -240,7 +240,7 @@ def test_outcomes_match_plain_run(inner, pytester, monkeypatch, mode):
     # Messages, not just outcomes: introspection, sections, warnings, properties.
     result.stdout.fnmatch_lines(
         [
-            "*spawnrun: * run in a fresh spawn child*",
+            "*spawnrun: * run in a fresh * child*",
             "*RuntimeError: setup exploded*",
             "*RuntimeError: teardown exploded*",
             "*Differing items:*",
