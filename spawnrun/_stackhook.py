@@ -67,7 +67,9 @@ def install(workdir: str) -> None:
     import shutil
 
     directory = stacks_dir(workdir)
-    hook = os.path.join(workdir, "hook")
+    # A dot directory: pytest never collects it (--doctest-modules over a basetemp
+    # inside the rootdir would import the hook as a module otherwise).
+    hook = os.path.join(workdir, ".hook")
     try:
         os.makedirs(directory, exist_ok=True)
         os.makedirs(hook, exist_ok=True)
@@ -101,7 +103,13 @@ def _hand_over() -> None:
             sys.modules["sitecustomize"] = this
 
 
-if __name__ == "sitecustomize":  # at the start of a process below a test's child
+def _at_start() -> bool:
+    """Whether site is running this file at an interpreter's start (no main code yet)."""
+    main = sys.modules.get("__main__")
+    return __name__ == "sitecustomize" and getattr(main, "__file__", None) is None
+
+
+if _at_start():  # a process below a test's child is starting
     if os.environ.get(ENV):
         arm(os.environ[ENV])
     _hand_over()
