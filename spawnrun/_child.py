@@ -35,6 +35,7 @@ from spawnrun import _budget
 from spawnrun import _coverage
 from spawnrun import _probe
 from spawnrun import _protocol as proto
+from spawnrun import _stackhook
 
 #: True in a process whose pytest session was started by ``main``: the plugin then
 #: leaves running tests to pytest instead of spawning again.
@@ -141,6 +142,8 @@ def isolate(spec: proto.ChildSpec, conn: Connection, parent: int | None = None) 
         os.close(fd)
     stacks = open(spec.stacks_path, "w")  # noqa: SIM115 - lives as long as the process
     _arm_faulthandler(stacks)
+    # And every Python process the test starts, for the stacks of a timeout.
+    _stackhook.install(os.path.dirname(spec.stacks_path))
     _name_capture_files(os.path.dirname(spec.stacks_path))
     return _Relay(spec, conn, stacks)
 
@@ -338,9 +341,9 @@ class _Relay:
             self.send(proto.Booted(os.getpid(), False, self._not_found(session)))
             self.booted = True
             return
-        mine = proto.fingerprint(item)
-        if self.spec.fingerprint and mine != self.spec.fingerprint:
-            self.send(proto.Booted(os.getpid(), False, self._other_test(mine)))
+        problem = self._bind_parents(item)
+        if problem:
+            self.send(proto.Booted(os.getpid(), False, problem))
             self.booted = True
             return
         self.send(proto.Booted(os.getpid(), True))
@@ -362,6 +365,7 @@ class _Relay:
         for name in go.env_unset:
             os.environ.pop(name, None)
         os.environ.update(go.env_set)
+        _stackhook.install(os.path.dirname(self.spec.stacks_path))  # a new PYTHONPATH, say
         if self.spec.executions:
             _continue_reruns(item, self.spec.executions)
         try:
@@ -509,13 +513,46 @@ class _Relay:
             said = "\n".join(self.internal_errors)[-_EARLY_TAIL:].strip()
         return f"{text}; the child's pytest said:\n{said}" if said else text
 
-    def _other_test(self, mine: str) -> str:
+    def _bind_parents(self, item: Any) -> str:
+        """Make the child's test the parent's; "" once it is, else why it cannot be.
+
+        Where the child's values read as the parent's, the child's own run (as they
+        would in-process: one object, shared with its module). Where they differ (drawn
+        at random at import, a set's order), the parent's values are put in their place,
+        so the child runs exactly the parent's test. A value that cannot travel (it does
+        not pickle, or does not unpickle here) leaves another test under this id: that
+        is refused, never run.
+        """
+        mine = proto.spellings(item)
+        theirs = self.spec.params
+        differ = sorted(k for k in mine if k in theirs and mine[k] != theirs[k].spelling)
+        if set(mine) != set(theirs):
+            return self._other_test(mine, "it takes other parameters")
+        values = {}
+        for name in differ:
+            binding = theirs[name]
+            if not binding.value:
+                return self._other_test(
+                    mine, f"the parent's {name} cannot travel: {binding.unsent}"
+                )
+            try:
+                values[name] = pickle.loads(binding.value)
+            except Exception as exc:  # noqa: BLE001 - whatever a value's reducer raises
+                why = f"the parent's {name} does not unpickle here ({type(exc).__name__}: {exc})"
+                return self._other_test(mine, why)
+        if values:
+            item.callspec.params.update(values)
+        return ""
+
+    def _other_test(self, mine: dict[str, str], why: str) -> str:
+        theirs = {k: b.spelling for k, b in self.spec.params.items()}
         return (
             f"node id {self.spec.nodeid!r} names another test in the child "
             f"(collected args: {' '.join(self.spec.args)}): the parent's binds "
-            f"{self.spec.fingerprint}, the child's binds {mine}. Its parameters come from "
-            "unordered data (a set: its order follows the hash seed, so set PYTHONHASHSEED "
-            "or sort it) or from collection-time state (a counter in "
+            f"{proto.describe(theirs)}, the child's binds {proto.describe(mine)}, and {why}. "
+            "Its parameters come from data that differs between interpreters (random "
+            "values drawn at import: seed them; a set, whose order follows the hash seed: "
+            "sort it or set PYTHONHASHSEED) or from collection-time state (a counter in "
             "pytest_generate_tests); spawnrun will not run a different test under this id"
         )
 

@@ -195,6 +195,9 @@ class Job:
         self.limit: float | None = None
         self.stacks_size = 0
         self.last_size = -1
+        #: At a timeout, the processes below the child (pid, parent, command, stacks file).
+        self.below: list[tuple[int, int, str, str]] = []
+        self.below_sizes: list[int] = []
         #: The parent's environment when this job's child started, and the changes to
         #: send with its go.
         self.environ = dict(os.environ)
@@ -535,14 +538,18 @@ class Job:
             self.phase_at_timeout = "setup (while the child booted: spawnrun's boot limit)"
             self.limit = BOOT_LIMIT
         self.stacks_size = _reports.size_of(self.child.spec.stacks_path)
-        self.child.dump_stacks()
+        self.below = self.child.dump_stacks()
+        self.below_sizes = []
         self._to(State.DUMPING)
 
     def _poll_dump(self, now: float, force: bool = False) -> None:
         assert self.child is not None
         size = _reports.size_of(self.child.spec.stacks_path)
+        # Each asked process's stacks file is written once, unchanged since the last look.
+        below = [_reports.size_of(path) for _, _, _, path in self.below if path]
         written = size > self.stacks_size and size == self.last_size
-        self.last_size = size
+        written = written and all(below) and below == self.below_sizes
+        self.last_size, self.below_sizes = size, below
         if not force and not written and now - self.since < DUMP_LIMIT:
             self.deadline = now + 2 * POLL
             return
@@ -552,7 +559,7 @@ class Job:
         phase = self.phase_at_timeout
         text = f"{_reports.TIMEOUT} (>{self.limit or 0.0:g} s) during {phase}\nnode id: "
         text += self.item.nodeid
-        evidence = _reports.evidence(self.child.spec, len(self.left_behind))
+        evidence = _reports.evidence(self.child.spec, len(self.left_behind), self.below)
         self.timeouts += 1
         self.replay.died(phase.split(" ")[0], text, evidence)
         if not self._rerun():
@@ -735,7 +742,7 @@ def _start(
         invocation_dir=str(config.invocation_params.dir),
         log_path=None if live else str(workdir / "output.log"),
         stacks_path=str(workdir / "stacks.txt"),
-        fingerprint=proto.fingerprint(item),
+        params=proto.bindings(item),
         workerinput=run.workerinput,
         late_options=run.late_options,
         executions=executions,

@@ -22,11 +22,25 @@ import builtins
 import io
 import pickle
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
 PROTOCOL_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One parameter of the parent's test: how its value reads, and the value itself."""
+
+    #: The value spelled without memory addresses or set order (``spellings``).
+    spelling: str
+    #: The value pickled, so that a child whose same id binds another value (drawn at
+    #: random when the module was imported, say) runs with the parent's; b"" when it
+    #: cannot travel, ``unsent`` saying why.
+    value: bytes = b""
+    unsent: str = ""
 
 
 @dataclass(frozen=True)
@@ -45,9 +59,9 @@ class ChildSpec:
     log_path: str | None
     #: Where faulthandler writes the stacks of a dying or timed-out child.
     stacks_path: str
-    #: What the parent's test with this node id binds (``fingerprint``): the child must
-    #: find the same test, not merely the same id.
-    fingerprint: str = ""
+    #: What the parent's test with this node id binds (``bindings``), by parameter: the
+    #: child must run the same test, not merely the same id.
+    params: dict[str, Binding] = field(default_factory=dict)
     #: pytest-xdist's ``config.workerinput`` of the worker that runs the test, so the
     #: child looks like that worker (``worker_id``, ``testrun_uid``, no cache writes).
     workerinput: dict[str, Any] | None = None
@@ -334,19 +348,45 @@ def _text(value: Any, text: Any) -> str:
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
-def fingerprint(item: Any) -> str:
-    """What a collected test binds, comparable between two interpreters.
+#: A parameter value whose pickle is larger stays in the parent (``Binding.unsent``).
+VALUE_LIMIT = 4 * 2**20
+
+
+def spellings(item: Any) -> dict[str, str]:
+    """What a collected test binds, by parameter, comparable between two interpreters.
 
     A node id names a test, but ids built from unordered data (a set, whose order
-    follows the hash seed) or from collection-time state (a counter in
-    ``pytest_generate_tests``) can bind other values in a child that collected
-    differently. The parameters' values, spelled in a way that does not depend on
-    memory addresses or set order, tell them apart.
+    follows the hash seed), from values drawn at random when a module is imported, or
+    from collection-time state (a counter in ``pytest_generate_tests``) can bind other
+    values in a child that collected anew. The parameters' values, spelled in a way
+    that does not depend on memory addresses or set order, tell them apart.
     """
     callspec = getattr(item, "callspec", None)
     if callspec is None:
-        return ""
-    return "; ".join(f"{k}={_stable(v)}" for k, v in sorted(callspec.params.items()))
+        return {}
+    return {str(k): _stable(v) for k, v in callspec.params.items()}
+
+
+def bindings(item: Any) -> dict[str, Binding]:
+    """The parent's side of ``spellings``, each value pickled where it can travel."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return {}
+    out = {}
+    for name, value in callspec.params.items():
+        data, unsent = b"", ""
+        try:
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - whatever a value's reducer raises
+            unsent = f"it does not pickle ({type(exc).__name__}: {exc})"
+        if len(data) > VALUE_LIMIT:
+            data, unsent = b"", f"its pickle has {len(data)} bytes, over {VALUE_LIMIT} sent"
+        out[str(name)] = Binding(_stable(value), data, unsent)
+    return out
+
+
+def describe(spelled: Mapping[str, str]) -> str:
+    return "; ".join(f"{k}={v}" for k, v in sorted(spelled.items()))
 
 
 def _stable(value: Any) -> str:

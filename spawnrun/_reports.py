@@ -8,6 +8,7 @@ from __future__ import annotations
 import signal
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,19 @@ STUCK_EXIT = (
     "was killed (a non-daemon thread or process it left behind?)"
 )
 STACKS = "spawnrun: Python stacks of all threads of the child"
+#: At a timeout, one section for each process below the child.
+BELOW = "spawnrun: Python stacks of process {pid} (parent {ppid}): {command}"
+NOT_ASKED = (
+    "(not asked: it never loaded spawnrun's hook, being no Python process, or started "
+    "with -I/-S/-E or an environment without the child's PYTHONPATH)"
+)
+NO_ANSWER = (
+    "(asked, but it wrote nothing before the kill: it may have replaced the SIGUSR1 "
+    "handler, or ended meanwhile)"
+)
+#: Processes below a child shown at most, each stack at most TAIL_BYTES.
+BELOW_SHOWN = 32
+INTERRUPTED_RUNNING = "spawnrun: interrupted while these tests ran in children (killed)"
 CAPTURED = "spawnrun: output the test printed before the end (tail)"
 OUTPUT = "spawnrun: child process stdout/stderr (tail)"
 BOOT_NOTE = "spawnrun: booted ahead"
@@ -118,14 +132,26 @@ def death_text(nodeid: str, phase: str, code: int | None, cause: str = "") -> st
     return f"{DIED} during {phase}: {cause}\nnode id: {nodeid}"
 
 
-def evidence(spec: Any, reaped: int) -> list[tuple[str, str]]:
-    """What a person needs to debug a dead or stuck child: stacks and output tails."""
+def evidence(
+    spec: Any, reaped: int, below: Sequence[tuple[int, int, str, str]] = ()
+) -> list[tuple[str, str]]:
+    """What a person needs to debug a dead or stuck child: stacks and output tails.
+
+    ``below``: the processes below the child at a timeout (pid, parent pid, command
+    line, where it was asked to write its stacks or "" if it could not be asked).
+    """
     sections = []
     stacks_path = Path(spec.stacks_path)
     workdir = stacks_path.parent
     stacks = tail(stacks_path)
     if stacks:
         sections.append((STACKS, stacks))
+    for pid, ppid, command, path in below[:BELOW_SHOWN]:
+        text = (tail(Path(path)) or NO_ANSWER) if path else NOT_ASKED
+        sections.append((BELOW.format(pid=pid, ppid=ppid, command=command), text))
+    if len(below) > BELOW_SHOWN:
+        rest = " ".join(str(p[0]) for p in below[BELOW_SHOWN:])
+        sections.append(("spawnrun", f"{len(below) - BELOW_SHOWN} more processes: {rest}"))
     captured = [tail(p) for p in sorted(workdir.glob("capture-*.out"))]
     captured = [c for c in captured if c]
     if captured:

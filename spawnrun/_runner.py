@@ -27,6 +27,7 @@ import pytest
 from spawnrun import CHILD_ENV
 from spawnrun import _child
 from spawnrun import _protocol as proto
+from spawnrun import _stackhook
 
 CTX = get_context("spawn")
 
@@ -242,6 +243,50 @@ def group_members(pgid: int) -> list[int]:
     return members
 
 
+def process_tree(root: int) -> list[tuple[int, int]]:
+    """(pid, parent pid) of every live process below ``root`` (Linux /proc), root excluded.
+
+    Its descendants, also those that left its session (``setsid``), and the members of
+    its group or session whose parent died (re-parented to init): tree order first.
+    """
+    procs: dict[int, tuple[int, int, int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields[0] != "Z":
+            procs[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[3]))
+    order: list[int] = []
+    level = [root]
+    while level:
+        level = sorted(p for p, (ppid, _, _) in procs.items() if ppid in level)
+        order += level
+    order += sorted(p for p, (_, pgrp, sid) in procs.items() if root in (pgrp, sid))
+    seen = {root}
+    tree = []
+    for pid in order:
+        if pid not in seen:
+            seen.add(pid)
+            tree.append((pid, procs[pid][0]))
+    return tree
+
+
+def command_line(pid: int, limit: int = 120) -> str:
+    """A process's command line on one line (a forked one shows its parent's)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return "?"
+    text = " ".join(raw.decode("utf-8", "replace").replace("\0", " ").split()) or "?"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def signal_pids(pids: list[int], signum: int) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -426,9 +471,25 @@ class ChildProcess:
                 self.conn.close()
             self.conn = None
 
-    def dump_stacks(self) -> None:
-        if not self.gone:
-            signal_pids([self.pid], _child.DUMP_SIGNAL)
+    def dump_stacks(self) -> list[tuple[int, int, str, str]]:
+        """Ask the child, and every process below it that can be asked, for its stacks.
+
+        Returns the processes below the child as they are now (pid, parent pid, command
+        line, the file its stacks go to or "" if it cannot be asked): once killed, they
+        are gone from /proc.
+        """
+        if self.gone:
+            return []
+        signal_pids([self.pid], _child.DUMP_SIGNAL)
+        directory = _stackhook.stacks_dir(os.path.dirname(self.spec.stacks_path))
+        below = []
+        for pid, ppid in process_tree(self.pid):
+            path = os.path.join(directory, f"{pid}.txt")
+            if not os.path.exists(path):
+                path = ""
+            below.append((pid, ppid, command_line(pid), path))
+        signal_pids([pid for pid, _, _, path in below if path], _stackhook.SIGNAL)
+        return below
 
     def others(self) -> list[int]:
         """Processes of the child's group or session other than the child itself."""

@@ -34,6 +34,7 @@ timeout.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from spawnrun import _packing
 from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _runner
+from spawnrun import _status
 from spawnrun._jobs import EXIT_KILL
 from spawnrun._jobs import IN_SLOT
 from spawnrun._jobs import LISTENING
@@ -103,6 +105,10 @@ class Scheduler:
         self.alone: dict[str, list[str]] = {}
         #: Since when each device has been seen free (for the replan rule).
         self.free_since: dict[str, float] = {}
+        #: What the terminal shows of the running tests (set by the plugin).
+        self.status: _status.Status | None = None
+        #: The tests that were running when the run was interrupted.
+        self.interrupted: list[_status.Running] = []
 
     # Turns ---------------------------------------------------------------------------
 
@@ -125,6 +131,8 @@ class Scheduler:
             self.jobs.append(job)
         job.timeout = plan.timeout
         job.turn(parent_error)
+        if self.limit == 1:
+            job.replay.start()  # one at a time: its line shows while it runs, as in-process
         if job.reported:
             # Its child died while booting ahead: that is the test's report.
             if job not in self.jobs:  # it finished before its turn: count it now
@@ -132,6 +140,10 @@ class Scheduler:
             job.replayed = True
             self._replay(job)
             return
+        with self._waiting():
+            self._wait_for_turn(job, item, upcoming)
+
+    def _wait_for_turn(self, job: Job, item: pytest.Item, upcoming: Upcoming) -> None:
         while True:
             session = item.session
             if session.shouldfail or session.shouldstop:
@@ -151,7 +163,7 @@ class Scheduler:
             if not self._in_slots():
                 # Nothing of ours runs: the devices are held by another xdist worker.
                 timeout = min(_LEDGER_POLL, timeout or _LEDGER_POLL)
-            self.loop_once(timeout)
+            self.loop_once(_sooner(timeout, self._redraw()))
 
     def _job(self, item: pytest.Item, plan: _packing.Plan, devices: list[str]) -> Job:
         return Job(item, plan, devices, self.settle, self.allocator.capacity)
@@ -255,6 +267,8 @@ class Scheduler:
 
     def loop_once(self, timeout: float | None) -> None:
         """Wait for the next event (a message, an exit, a deadline) and handle it."""
+        if self.status is not None:
+            self.status.clear()  # replays may write
         events: dict[Any, tuple[str, Any]] = {}
         for job in self.jobs:
             child = job.child
@@ -295,6 +309,8 @@ class Scheduler:
         for job in list(self.jobs):
             job.on_deadline(now)
         self._after_events()
+        if self.status is not None:
+            self.status.update(self.running())
 
     def _after_events(self) -> None:
         """Collect what the handlers produced: boot times, reports to replay, ends."""
@@ -352,8 +368,29 @@ class Scheduler:
 
     def drain(self) -> None:
         """Wait until every test whose turn came has been replayed."""
-        while any(j.turned and not j.replayed for j in self.jobs):
-            self.loop_once(None)
+        with self._waiting():
+            while any(j.turned and not j.replayed for j in self.jobs):
+                self.loop_once(self._redraw())
+
+    def running(self) -> list[_status.Running]:
+        """The tests running in children now (their turn came): id, devices, time, phase."""
+        now = time.monotonic()
+        out = []
+        for job in self.jobs:
+            if job.turned and job.state in IN_SLOT:
+                phase = job.replay.phase or "setup"
+                if job.state is not State.RUNNING:
+                    phase = job.state.value
+                out.append(
+                    (job.item.nodeid, list(job.devices), now - (job.went or job.started), phase)
+                )
+        return out
+
+    def _waiting(self) -> contextlib.AbstractContextManager[None]:
+        return self.status.wait() if self.status is not None else contextlib.nullcontext()
+
+    def _redraw(self) -> float | None:
+        return self.status.interval() if self.status is not None else None
 
     def _drop(self, job: Job) -> None:
         """A job that will not run after all: end its child, report nothing."""
@@ -479,6 +516,10 @@ class Scheduler:
 
 def _plural(n: int, one: str, many: str = "") -> str:
     return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def _sooner(a: float | None, b: float | None) -> float | None:
+    return b if a is None else a if b is None else min(a, b)
 
 
 def _sleep(timeout: float | None) -> list[Any]:

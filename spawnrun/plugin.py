@@ -30,6 +30,7 @@ from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _scheduler
 from spawnrun import _settings
+from spawnrun import _status
 
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
 INVENTORY_KEY = pytest.StashKey[_devices.Inventory]()
@@ -126,13 +127,14 @@ def pytest_configure(config: pytest.Config) -> None:
     holder = None
     if settings.method == "forkserver" and not _xdist_controller(config):
         holder = config.stash[_jobs.ZYGOTE_KEY] = _forkserver.ZygoteHolder(list(settings.preload))
-    config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
+    scheduler = config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
         _devices.allocator_for(inventory.ids, ledger, capacity, per_gpu),
         limit,
         settings.settle,
         lookahead,
         holder,
     )
+    scheduler.status = _status.Status(config, several=limit > 1)
     config.pluginmanager.register(_Spawns(), "spawnrun-spawns")
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
@@ -178,8 +180,11 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         return ["spawnrun: --no-spawn given, every test runs in-process"]
     what = "every test" if settings.spawn_gpu else f"tests marked {settings.marker}"
     scheduler = config.stash[SCHEDULER_KEY]
+    how = "a fresh spawn child"
+    if settings.method == "forkserver":
+        how = "a fresh forked child (fast mode, --spawn-method forkserver)"
     lines = [
-        f"spawnrun: {what} run in a fresh spawn child, up to {scheduler.limit} at once, "
+        f"spawnrun: {what} run in {how}, up to {scheduler.limit} at once, "
         f"{scheduler.lookahead} booted ahead",
         config.stash[INVENTORY_KEY].describe(),
     ]
@@ -472,6 +477,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if scheduler is None:
         return
     if exitstatus == pytest.ExitCode.INTERRUPTED:
+        scheduler.interrupted = scheduler.running()  # named in the summary
         scheduler.kill_all()
     else:
         scheduler.finish()  # children still exiting, reaping or settling
@@ -508,6 +514,10 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_sep("-", "spawnrun")
         for line in lines:
             terminalreporter.write_line(line)
+    if scheduler is not None and scheduler.interrupted:
+        terminalreporter.write_sep("!", _reports.INTERRUPTED_RUNNING)
+        for running in scheduler.interrupted:
+            terminalreporter.write_line(_status.describe(running))
     if scheduler is not None and scheduler.long_settles:
         terminalreporter.section("spawnrun: waits for device memory")
         for nodeid, seconds in scheduler.long_settles:

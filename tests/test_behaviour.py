@@ -660,19 +660,40 @@ def test_last_failed_sees_replayed_reports(pytester):
     result.stdout.no_fnmatch_line("*test_fine*")
 
 
-def test_same_id_other_values_is_refused_loudly(pytester):
-    # Parameters drawn at collection time (here: random, as unseeded data or a set's
-    # hash order would be) bind other values in a child: same node id, different test.
-    # It must fail with the cause, never pass as the wrong test; a value whose repr
-    # holds a memory address, or a set, is still the same test.
+def test_same_id_other_values_runs_the_parents_or_is_refused(pytester):
+    # Parameters drawn at import (random, as torch.rand tensors or a set's hash order
+    # would be) bind other values in a child: same node id, different test. The child
+    # runs the parent's values; one that cannot travel (it does not pickle) is refused
+    # with the cause, never run as the wrong test. A value whose repr holds a memory
+    # address, or a set, is the same test and runs with the child's own object.
     pytester.makepyfile(
         test_b="""
+        import os
         import random
+        import threading
         import pytest
+        import spawnrun
+
+        DRAWN = random.random()
+        if not spawnrun.is_child():
+            os.environ["PARENTS_DRAWN"] = repr(DRAWN)
+
+        class Locked:  # drawn at import too, and a lock does not pickle
+            def __init__(self):
+                self.n = random.random()
+                self.lock = threading.Lock()
+
+            def __repr__(self):
+                return f"Locked({self.n})"
 
         @pytest.mark.gpu
-        @pytest.mark.parametrize("n", [random.random()], ids=["drawn"])
+        @pytest.mark.parametrize("n", [[DRAWN]], ids=["drawn"])
         def test_b(n):
+            assert repr(n[0]) == os.environ["PARENTS_DRAWN"]
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("value", [Locked()], ids=["locked"])
+        def test_locked(value):
             pass
         """,
         test_c="""
@@ -681,15 +702,22 @@ def test_same_id_other_values_is_refused_loudly(pytester):
         class Opaque:  # its repr holds a memory address, different in every process
             pass
 
+        OPAQUE = Opaque()
+
         @pytest.mark.gpu
-        @pytest.mark.parametrize("value", [Opaque(), {"b", "a", "c"}], ids=["obj", "set"])
+        @pytest.mark.parametrize("value", [OPAQUE, {"b", "a", "c"}], ids=["obj", "set"])
         def test_stable_values(value):
-            pass
+            assert value is OPAQUE or isinstance(value, set)
         """,
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rf")
-    result.assert_outcomes(passed=2, failed=1)
-    result.stdout.fnmatch_lines(["*node id 'test_b.py::test_b[[]drawn[]]' names another test*"])
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*node id 'test_b.py::test_locked[[]locked[]]' names another test*"
+            "the parent's value cannot travel: it does not pickle (TypeError:*lock*"
+        ]
+    )
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
 
 

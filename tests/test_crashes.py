@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import pickle
+import re
 import signal
 import struct
 import subprocess
@@ -14,6 +15,7 @@ import time
 
 import psutil
 import pytest
+from pytest import LineMatcher
 
 from spawnrun import _forkserver
 from spawnrun import _probe
@@ -173,6 +175,64 @@ def test_timeout_dumps_stacks_then_kills(pytester):
     )
 
 
+TREE = """
+import multiprocessing, subprocess, sys, time
+import pytest
+
+def spawned_worker_waits(ready):
+    ready.set()
+    time.sleep(300)
+
+def forked_worker_waits(ready):
+    ready.set()
+    time.sleep(300)
+
+POPEN = "def popen_worker_waits():\\n    print('ready', flush=True)\\n    time.sleep(300)\\n"
+
+@pytest.mark.gpu(timeout=10)
+def test_hangs_below():
+    for method, target in (("spawn", spawned_worker_waits), ("fork", forked_worker_waits)):
+        ctx = multiprocessing.get_context(method)
+        ready = ctx.Event()
+        ctx.Process(target=target, args=(ready,)).start()
+        assert ready.wait(60)
+    code = "import time\\n" + POPEN + "popen_worker_waits()\\n"
+    popen = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert popen.stdout.readline() == "ready\\n"
+    subprocess.Popen(["sleep", "300"])
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_timeout_shows_the_stacks_of_every_process_below_the_child(pytester, method):
+    # GPU tests hang in their grandchildren (an engine core, a worker pool, NCCL ranks):
+    # a timeout shows the stacks of every Python process below the child, spawned,
+    # forked or started with subprocess, each with its pid and command line.
+    pytester.makepyfile(test_tree=TREE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-method", method)
+    result.assert_outcomes(failed=1)
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    out = result.stdout.str()
+    title = re.escape(_reports.BELOW).replace(r"\{pid\}", r"(\d+)").replace(r"\{ppid\}", r"\d+")
+    title = title.replace(r"\{command\}", "(.*?)")
+    found = re.findall(rf"-+ {title} -+\n(.*?)(?=\n-+ spawnrun|\n[=_]{{3,}})", out, re.S)
+    assert len(found) >= 4, out
+    stacks = {}
+    for pid, command, text in found:
+        stacks[pid] = (command, text)
+    kinds = {
+        "spawned": "in spawned_worker_waits",
+        "forked": "in forked_worker_waits",
+        "popen": "in popen_worker_waits",
+    }
+    for kind, frame in kinds.items():
+        assert any(frame in text for _, text in stacks.values()), (kind, out)
+    spawned = [c for c, text in stacks.values() if kinds["spawned"] in text]
+    assert "spawn_main" in spawned[0]
+    assert [text for c, text in stacks.values() if c == "sleep 300"] == [_reports.NOT_ASKED]
+
+
 ORPHANS = """
 import json, multiprocessing, os, subprocess, sys, time
 import pytest
@@ -254,6 +314,60 @@ def test_interrupting_the_parent_ends_children(pytester, signum):
     assert [
         p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"
     ] == []
+
+
+@pytest.mark.parametrize(
+    "jobs, method", [("1", "spawn"), ("2", "forkserver")], ids=["one-at-a-time", "two-fast"]
+)
+def test_what_runs_is_shown_and_named_on_ctrl_c(pytester, jobs, method):
+    # During a long spawned test the terminal shows what runs (one at a time: pytest's
+    # own node id line, as in-process; several: a line per test started, off a
+    # terminal), and a Ctrl-C names the tests it interrupted.
+    pytester.makepyfile(
+        test_long="""
+        import time
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("i", [0, 1])
+        def test_long(i):
+            open(f"started-{i}", "w").close()
+            time.sleep(300)
+        """
+    )
+    args = ["-p", "no:cacheprovider", "-v", "--spawn-jobs", jobs, "--spawn-method", method]
+    out_path = pytester.path / "out.txt"
+    with out_path.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *args],
+            cwd=pytester.path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        started = [pytester.path / f"started-{i}" for i in range(int(jobs))]
+        deadline = time.monotonic() + 60
+        while not all(p.exists() for p in started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        before = out_path.read_text()  # what the terminal showed while the tests ran
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=30)
+    text = out_path.read_text()
+    assert proc.returncode == pytest.ExitCode.INTERRUPTED, text
+    assert "INTERNALERROR" not in text
+    if method == "forkserver":
+        assert "fast mode, --spawn-method forkserver" in text.splitlines()[2]
+    running = [f"test_long.py::test_long[[]{i}[]]" for i in range(int(jobs))]
+    if jobs == "1":
+        assert before.rstrip().endswith("test_long.py::test_long[0]"), before
+    else:
+        lines = LineMatcher(before.splitlines())
+        lines.fnmatch_lines_random([f"spawnrun: running {r} [[]gpu ?[]]" for r in running])
+    LineMatcher(text.splitlines()).fnmatch_lines(
+        [f"*{_reports.INTERRUPTED_RUNNING}*"]
+        + [f"{r} [[]gpu ?[]] (call, * s)" for r in running]
+        + ["*KeyboardInterrupt*"]
+    )
 
 
 def test_huge_output_is_bounded(pytester):

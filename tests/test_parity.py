@@ -154,6 +154,44 @@ INNER = textwrap.dedent(
     """
 )
 
+# Parameters that differ between interpreters under the same ids, as kornia's tensors made
+# by torch.rand at import do: every child collects other values. The child must run the
+# parent's values (which the parent's module left in the environment), so each test sees
+# exactly what it sees in-process.
+DRAWN = textwrap.dedent(
+    """
+    import json
+    import os
+    import random
+
+    import numpy
+    import pytest
+
+    import spawnrun
+
+    ARRAYS = [numpy.random.rand(3) for _ in range(2)]
+    LISTS = [[random.random()] for _ in range(2)]
+    # A set's order follows the hash seed: which pair "pair3" names differs per process.
+    PAIRS = list({(f"key{i}", i) for i in range(8)})
+    if not spawnrun.is_child():
+        spelled = [[repr(v) for v in vs] for vs in (ARRAYS, LISTS, PAIRS)]
+        os.environ["INNER_DRAWN"] = json.dumps(spelled)
+    PARENT = json.loads(os.environ["INNER_DRAWN"])
+
+    @pytest.mark.parametrize("i, array", list(enumerate(ARRAYS)))
+    def test_drawn_array(i, array):
+        assert repr(array) == PARENT[0][i]
+
+    @pytest.mark.parametrize("i, drawn", list(enumerate(LISTS)))
+    def test_drawn_list(i, drawn):
+        assert repr(drawn) == PARENT[1][i]
+
+    @pytest.mark.parametrize("i, pair", list(enumerate(PAIRS)))
+    def test_set_ordered(i, pair):
+        assert repr(pair) == PARENT[2][i]
+    """
+)
+
 MODES = {
     "marker": [],
     "spawn-gpu": ["--spawn-gpu"],
@@ -179,10 +217,8 @@ def inner(outcomes, pytester, monkeypatch):
 
 
 def _run(inner, pytester, monkeypatch, mode: str, *extra: str):
-    source = INNER
-    if mode in MARKED:
-        source = "import pytest\npytestmark = pytest.mark.gpu\n" + INNER
-    pytester.makepyfile(test_inner=source)
+    prefix = "import pytest\npytestmark = pytest.mark.gpu\n" if mode in MARKED else ""
+    pytester.makepyfile(test_inner=prefix + INNER, test_drawn=prefix + DRAWN)
     monkeypatch.setenv("EXPECT_CHILD", "0" if mode in ("plain", "no-spawn") else "1")
     args = MODES.get(mode, [])
     return inner.run("--basetemp", str(pytester.path / "bt"), "-rA", *args, *extra)
@@ -204,7 +240,7 @@ def test_outcomes_match_plain_run(inner, pytester, monkeypatch, mode):
     # Messages, not just outcomes: introspection, sections, warnings, properties.
     result.stdout.fnmatch_lines(
         [
-            "*spawnrun: * run in a fresh spawn child*",
+            "*spawnrun: * run in a fresh * child*",
             "*RuntimeError: setup exploded*",
             "*RuntimeError: teardown exploded*",
             "*Differing items:*",

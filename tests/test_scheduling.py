@@ -191,3 +191,50 @@ def test_under_xdist_a_child_looks_like_its_worker(pytester):
     # One ledger for the run, in a directory only its user can enter, removed at the end.
     assert rows[0][3] == rows[1][3] and rows[0][4] == 0o700
     assert not Path(rows[0][3]).exists()
+
+
+def test_status_line_is_drawn_after_the_cursor_and_erased_exactly():
+    # Several tests at once on a terminal: the running tests show after pytest's
+    # current line while the parent waits, and leave no trace and no moved line.
+    import io
+
+    from _pytest._io import TerminalWriter
+
+    from spawnrun import _status
+
+    buffer = io.StringIO()
+    tw = TerminalWriter(buffer)
+    tw.fullwidth = 100
+    tw.write("test_a.py ..")
+
+    class Reporter:
+        isatty = True
+
+    class Config:
+        class pluginmanager:
+            @staticmethod
+            def get_plugin(name):
+                return Reporter()
+
+        @staticmethod
+        def get_terminal_writer():
+            return tw
+
+    status = _status.Status(Config(), several=True)
+    running = [
+        ("test_a.py::test_long[0]", ["0"], 61.2, "call"),
+        ("test_a.py::test_b", [], 3, "setup"),
+    ]
+    with status.wait():
+        status.update(running)
+        drawn = buffer.getvalue()[len("test_a.py ..") :]
+        assert drawn.startswith(
+            " [spawnrun: 2 running: test_a.py::test_long[0] [gpu 0] (call, 61 s)"
+        )
+        assert len(drawn) == 100 - len("test_a.py ..") - 1 and drawn.endswith("...]")
+        assert status.interval() == _status.REDRAW
+    n = len(drawn)
+    assert buffer.getvalue() == "test_a.py .." + drawn + "\b" * n + " " * n + "\b" * n
+    assert tw.width_of_current_line == len("test_a.py ..")  # pytest's line is untouched
+    status.update(running)  # not waiting: nothing drawn
+    assert buffer.getvalue().endswith("\b" * n)
