@@ -34,6 +34,10 @@ BUDGET_ENV = "SPAWNRUN_GPU_BUDGET"
 #: A lock file per device that children sharing it take while they create contexts.
 INIT_LOCK_ENV = "SPAWNRUN_CUDA_INIT_LOCK"
 INIT_LOCK_WAIT = 10.0
+#: How many children sharing a device may create their contexts at once (0: no limit);
+#: the parent's own value of this variable, if set, is passed on (a measurement switch).
+INIT_SLOTS_ENV = "SPAWNRUN_CUDA_INIT_SLOTS"
+INIT_SLOTS = 1
 #: What the parent told the child about its budget, for the out-of-memory section.
 SOURCE_ENV = "SPAWNRUN_GPU_BUDGET_SOURCE"
 SECTION = "spawnrun: GPU memory budget"
@@ -70,7 +74,8 @@ def _apply() -> None:
         return
     # Children sharing a device create their contexts one at a time: eight at once
     # each take several times as long as one alone.
-    with _one_at_a_time(os.environ.get(INIT_LOCK_ENV, "")):
+    slots = os.environ.get(INIT_SLOTS_ENV, "")
+    with _few_at_a_time(os.environ.get(INIT_LOCK_ENV, ""), int(slots) if slots.isdigit() else 0):
         for index in range(torch.cuda.device_count()):
             total = int(torch.cuda.get_device_properties(index).total_memory)
             if total > 0:
@@ -79,26 +84,33 @@ def _apply() -> None:
 
 
 @contextlib.contextmanager
-def _one_at_a_time(path: str, limit: float = INIT_LOCK_WAIT) -> Iterator[None]:
-    """An exclusive ``flock`` on ``path``, waited for at most ``limit`` seconds."""
-    fd = -1
-    with contextlib.suppress(OSError):
-        if path:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+def _few_at_a_time(prefix: str, slots: int, limit: float = INIT_LOCK_WAIT) -> Iterator[None]:
+    """One of ``slots`` exclusive ``flock`` files ``<prefix>-<i>``, waited for at most
+    ``limit`` seconds (then the child goes on without one: a neighbour may be stuck)."""
+    held = -1
+    end = time.monotonic() + limit
     try:
-        end = time.monotonic() + limit
-        while fd >= 0:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= end:
-                    break  # a neighbour stuck in its init: go on without the lock
-                time.sleep(0.01)
+        while prefix and slots > 0 and held < 0 and time.monotonic() < end:
+            for slot in range(slots):
+                try:
+                    fd = os.open(f"{prefix}-{slot}", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+                except OSError:
+                    break
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    held = fd
+                    break
+                except BlockingIOError:
+                    os.close(fd)
+            else:
+                time.sleep(0.005)
+                continue
+            if held < 0:
+                break  # the lock files cannot be made: no staggering
         yield
     finally:
-        if fd >= 0:
-            os.close(fd)  # closing the descriptor releases the lock
+        if held >= 0:
+            os.close(held)  # closing the descriptor releases the lock
 
 
 class _Watch(importlib.abc.MetaPathFinder):

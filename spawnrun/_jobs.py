@@ -50,6 +50,8 @@ from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun._budget import BUDGET_ENV
 from spawnrun._budget import INIT_LOCK_ENV
+from spawnrun._budget import INIT_SLOTS
+from spawnrun._budget import INIT_SLOTS_ENV
 from spawnrun._budget import SOURCE_ENV
 
 _serial = count(1)
@@ -228,6 +230,7 @@ class Job:
             env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
             if self.devices:
                 env[INIT_LOCK_ENV] = str(_init_lock(self.item.config, self.devices[0]))
+                env[INIT_SLOTS_ENV] = os.environ.get(INIT_SLOTS_ENV, str(INIT_SLOTS))
             sizes = [self.capacity.get(d) for d in self.devices or self.capacity]
             known = [c for c in sizes if c]
             if known and len(known) == len(sizes):
@@ -679,7 +682,7 @@ def _init_lock(config: pytest.Config, device: str) -> Path:
     directory = Path(shared) if shared else _runner.parent_basetemp(config) / "spawnrun"
     directory.mkdir(parents=True, exist_ok=True)
     safe = "".join(c if c.isalnum() or c == "-" else "_" for c in device)
-    return directory / f"cuda-init-{safe}.lock"
+    return directory / f"cuda-init-{safe}.lock"  # slots: <this>-0, <this>-1, ...
 
 
 def _junit_family(config: pytest.Config) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from spawnrun import _packing
@@ -125,3 +127,20 @@ def test_learned_budgets_add_a_margin_and_stay_alone_when_large():
 @pytest.mark.parametrize("cpus, gpus, expected", [(2, 1, 2), (16, 1, 8), (16, 8, 2), (64, 4, 8)])
 def test_default_per_gpu_follows_the_cores_per_gpu(cpus, gpus, expected):
     assert _packing.default_per_gpu(cpus, gpus) == expected
+
+
+def test_children_sharing_a_device_create_contexts_a_few_at_a_time(tmp_path):
+    from spawnrun import _budget
+
+    prefix = str(tmp_path / "init")
+    with _budget._few_at_a_time(prefix, 2), _budget._few_at_a_time(prefix, 2):
+        # Both slots held: a third waits its bound, then goes on without one.
+        start = time.monotonic()
+        with _budget._few_at_a_time(prefix, 2, limit=0.2):
+            waited = time.monotonic() - start
+        assert 0.2 <= waited < 2
+    start = time.monotonic()
+    with _budget._few_at_a_time(prefix, 2, limit=5):
+        assert time.monotonic() - start < 1  # free again once the others are done
+    with _budget._few_at_a_time("", 2), _budget._few_at_a_time(prefix, 0):
+        pass  # no lock asked for: nothing to wait for
