@@ -102,11 +102,26 @@ class Status:
         if text != self.drawn:
             self.clear()
             # write_raw: after the cursor, without moving pytest's idea of its line.
-            tw.write_raw(text, flush=True)
+            _write_raw(tw, text)
             self.drawn = text
 
     def clear(self) -> None:
         if self.drawn:
             n = len(self.drawn)
-            self.config.get_terminal_writer().write_raw("\b" * n + " " * n + "\b" * n, flush=True)
+            _write_raw(self.config.get_terminal_writer(), "\b" * n + " " * n + "\b" * n)
             self.drawn = ""
+
+
+def _write_raw(tw: Any, text: str) -> None:
+    """Write after the cursor without moving the writer's idea of its current line.
+
+    ``TerminalWriter.write_raw`` does that from pytest 8.1 on; before it, the writer's
+    file is the one place to write to (``_file``: pytest 8.0 has no public name for it).
+    """
+    write_raw = getattr(tw, "write_raw", None)
+    if write_raw is not None:
+        write_raw(text, flush=True)
+        return
+    file = tw._file
+    file.write(text)
+    file.flush()
