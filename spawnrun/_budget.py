@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+from spawnrun import _probe
+
 BUDGET_ENV = "SPAWNRUN_GPU_BUDGET"
 #: A lock file per device that children sharing it take while they create contexts.
 INIT_LOCK_ENV = "SPAWNRUN_CUDA_INIT_LOCK"
@@ -153,7 +155,8 @@ def out_of_memory_note(excinfo: Any) -> str:
     text = f"{type(exc).__name__}: {exc}"
     if "out of memory" not in text.lower() and "OutOfMemory" not in type(exc).__name__:
         return ""
-    peak = peak_per_device()
+    peaks = _probe.reserved_peaks()
+    peak = max(peaks) if peaks else None
     source = os.environ.get(SOURCE_ENV, "")
     lines = [
         f"this test ran with a GPU memory budget of {_show(cap)} per device"
@@ -164,19 +167,6 @@ def out_of_memory_note(excinfo: Any) -> str:
         "declare a larger budget (memory=...), or exclusive=True to run it alone",
     ]
     return "\n".join(lines)
-
-
-def peak_per_device() -> int | None:
-    """The most memory torch reserved on any one device (None: no CUDA in use)."""
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
-    if cuda is None:
-        return None
-    try:
-        if not cuda.is_initialized():
-            return None
-        return max(int(cuda.max_memory_reserved(i)) for i in range(cuda.device_count()))
-    except Exception:  # noqa: BLE001 - a figure is never worth a failure
-        return None
 
 
 def _show(size: int) -> str:

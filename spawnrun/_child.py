@@ -312,8 +312,9 @@ class _Relay:
         try:
             if not self.done:
                 self.done = True
-                peak = _probe.peak_device_memory()
-                per_device = _budget.peak_per_device()
+                peaks = _probe.reserved_peaks()
+                peak = sum(peaks) if peaks else None
+                per_device = max(peaks) if peaks else None
                 # The test is over: give the device back before the session's end, so
                 # the next test on it waits only for memory that is really still held.
                 _probe.release_devices()

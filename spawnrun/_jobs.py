@@ -610,9 +610,9 @@ class Job:
         if self._watching_release():
             self._check_release()
         if waited < EXIT_GRACE:
-            self.deadline = min(self.since + EXIT_GRACE, now + POLL)
-            if not self._watching_release():
-                self.deadline = self.since + EXIT_GRACE
+            self.deadline = self.since + EXIT_GRACE
+            if self._watching_release():
+                self.deadline = min(self.deadline, now + POLL)
             return
         if waited >= EXIT_KILL:
             if not self.stuck:

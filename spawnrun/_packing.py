@@ -151,7 +151,8 @@ class Pool:
     ) -> list[str] | None:
         """``count`` devices that take ``need`` now, least loaded first; None if too few."""
         order = {d: i for i, d in enumerate(self.ids)}
-        fitting = [d for d in (among or self.ids) if self.fits(d, need, free(d))]
+        candidates = self.ids if among is None else among
+        fitting = [d for d in candidates if self.fits(d, need, free(d))]
         if len(fitting) < count:
             return None
         fitting.sort(key=lambda d: (len(self.held(d)), self._budget_held(d), order[d]))

@@ -54,11 +54,12 @@ def device_runtime() -> str:
     return ""
 
 
-def peak_device_memory() -> int | None:
-    """Peak device memory torch reserved in this process, in bytes (None: no CUDA in use).
+def reserved_peaks() -> list[int] | None:
+    """torch's peak reserved memory on each device of this process, in bytes.
 
-    Asked of torch only if the process already imported it and initialized CUDA: the
-    figure is torch's caching allocator's (reserved memory), without the CUDA context.
+    None where no CUDA is in use: asked of torch only if the process already imported it
+    and initialized CUDA. The figures are torch's caching allocator's (reserved memory),
+    without the CUDA context.
     """
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     if cuda is None:
@@ -66,8 +67,8 @@ def peak_device_memory() -> int | None:
     try:
         if not cuda.is_initialized():
             return None
-        return sum(int(cuda.max_memory_reserved(i)) for i in range(cuda.device_count()))
-    except Exception:  # noqa: BLE001 - a figure for a summary is never worth a failure
+        return [int(cuda.max_memory_reserved(i)) for i in range(cuda.device_count())]
+    except Exception:  # noqa: BLE001 - a figure is never worth a failure
         return None
 
 
@@ -92,14 +93,18 @@ def release_devices() -> None:
             _reset_primary_contexts(lib)
 
 
-def _mapped_cuda() -> list[ctypes.CDLL]:
+def _mapped_cuda_paths() -> list[str]:
+    """The CUDA driver libraries already mapped into this process (none loaded here)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcuda.so" in line}
+            return sorted({line.split()[-1] for line in maps if "libcuda.so" in line})
     except OSError:
         return []
+
+
+def _mapped_cuda() -> list[ctypes.CDLL]:
     libs = []
-    for path in sorted(paths):
+    for path in _mapped_cuda_paths():
         with contextlib.suppress(OSError):
             libs.append(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
     return libs
@@ -129,12 +134,7 @@ def cuda_driver_initialized() -> bool:
     CUDA_ERROR_NOT_INITIALIZED until cuInit has run and has no side effect. The library
     is only looked up if it is already mapped (RTLD_NOLOAD): this never loads it.
     """
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcuda.so" in line}
-    except OSError:
-        return False
-    for path in paths:
+    for path in _mapped_cuda_paths():
         try:
             lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             count = ctypes.c_int(0)

@@ -218,16 +218,16 @@ def no_main_reimport() -> Iterator[None]:
 LIVE: set[ChildProcess] = set()
 
 
-def group_members(pgid: int) -> list[int]:
-    """Pids in process group or session ``pgid`` (Linux /proc), excluding zombies.
+def _live_processes() -> dict[int, tuple[int, int, int]]:
+    """pid -> (parent pid, process group, session) of every live process (Linux /proc).
 
-    None can be found without /proc (the run warns of it once: ``_reports.NO_PROC``).
+    Zombies are left out; without /proc there is nothing to list.
     """
-    members: list[int] = []
+    procs: dict[int, tuple[int, int, int]] = {}
     try:
         entries = list(os.scandir("/proc"))
     except OSError:
-        return members
+        return procs
     for entry in entries:
         if not entry.name.isdigit():
             continue
@@ -238,9 +238,17 @@ def group_members(pgid: int) -> list[int]:
             continue
         # Fields after the parenthesized command: state ppid pgrp session ...
         fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] != "Z" and pgid in (int(fields[2]), int(fields[3])):
-            members.append(int(entry.name))
-    return members
+        if fields[0] != "Z":
+            procs[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[3]))
+    return procs
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids in process group or session ``pgid`` (Linux /proc), excluding zombies.
+
+    None can be found without /proc (the run warns of it once: ``_reports.NO_PROC``).
+    """
+    return [pid for pid, (_, pgrp, sid) in _live_processes().items() if pgid in (pgrp, sid)]
 
 
 def process_tree(root: int) -> list[tuple[int, int]]:
@@ -249,18 +257,7 @@ def process_tree(root: int) -> list[tuple[int, int]]:
     Its descendants, also those that left its session (``setsid``), and the members of
     its group or session whose parent died (re-parented to init): tree order first.
     """
-    procs: dict[int, tuple[int, int, int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read().decode("ascii", "replace")
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] != "Z":
-            procs[int(entry.name)] = (int(fields[1]), int(fields[2]), int(fields[3]))
+    procs = _live_processes()
     order: list[int] = []
     level = [root]
     while level:

@@ -111,6 +111,7 @@ def test_devices_are_chosen_least_loaded_first():
     assert p.choose(1, GiB) == ["0"]  # all hold one: the least budget held
     assert p.choose(2, GiB) == ["0", "1"]
     assert p.choose(1, GiB, among=["2"]) == ["2"]
+    assert p.choose(1, GiB, among=[]) is None  # no candidates is not every device
     assert p.choose(1, ALONE) is None
 
 
