@@ -32,6 +32,7 @@ from typing import NoReturn
 import pytest
 
 from spawnrun import _budget
+from spawnrun import _bytecode
 from spawnrun import _coverage
 from spawnrun import _probe
 from spawnrun import _protocol as proto
@@ -59,6 +60,7 @@ SECTION_LIMIT = 256 * 1024
 def main(
     spec: proto.ChildSpec, conn: Connection, forked: bool = False, parent: int | None = None
 ) -> NoReturn:
+    _bytecode.start()  # forked: the template's environment was replaced by the test's
     # Measured from the start, before the suite's conftests and modules are imported.
     _coverage.start(spec.coverage, forked)
     # Before any of the suite's code: its budget caps torch when its CUDA comes up.
@@ -336,6 +338,7 @@ class _Relay:
 
     def serve(self, session: Any) -> None:
         """Find the test, say so, wait for the go, run it."""
+        _bytecode.stop()  # collected: the test sees bytecode settings as the parent has
         wanted = self.spec.nodeid
         item = next((i for i in session.items if i.nodeid == wanted), None)
         if item is None:

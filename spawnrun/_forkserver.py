@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import signal
 import sys
 import time
@@ -31,12 +32,12 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from spawnrun import _bytecode
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _settings
-from spawnrun import _zygote
 
 #: How long the template may take to import what it is told (all of it, rebuilds too).
 BOOT_LIMIT = 600.0
@@ -59,16 +60,19 @@ RETRIES = 3
 
 
 class Zygote:
-    def __init__(self, spec: proto.ZygoteSpec) -> None:
+    def __init__(self, spec: proto.ZygoteSpec, environ: Mapping[str, str]) -> None:
         self.spec = spec
         self.conn, child_conn = _runner.CTX.Pipe(duplex=True)
         self.proc: Any = _runner.CTX.Process(
-            target=_zygote.main, args=(spec, child_conn), name="spawnrun zygote", daemon=False
+            target=_bytecode.boot,
+            args=(pickle.dumps((spec,)), child_conn, "spawnrun._zygote:main"),
+            name="spawnrun zygote",
+            daemon=False,
         )
         #: The environment the template started with.
         self.environ = dict(os.environ)
         try:
-            with _runner.child_environ({}), _runner.no_main_reimport():
+            with _runner.child_environ(environ), _runner.no_main_reimport():
                 self.proc.start()
         except BaseException:
             self.conn.close()
@@ -242,6 +246,8 @@ class ZygoteHolder:
         self.excluded: list[str] = []
         self.off = ""
         self.checked = False
+        #: Set in the template's environment (``_bytecode``'s directory).
+        self.child_environ: dict[str, str] = {}
 
     def start(self, config: Any) -> None:
         """Start the template now, so its imports overlap the parent's own collection."""
@@ -273,7 +279,7 @@ class ZygoteHolder:
             log_path=str(self.workdir / "output.log"),
         )
         try:
-            return Zygote(spec)
+            return Zygote(spec, self.child_environ)
         except Exception as exc:  # noqa: BLE001 - fast mode off, never the run's end
             self._turn_off(config, f"the template could not be started ({exc!r})")
             return None

@@ -33,6 +33,7 @@ import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,11 @@ class Shared:
     workerinput: dict[str, Any] | None
     junit_family: str
     coverage: str
+    #: Set in every child's environment (``_bytecode``'s directory).
+    environ: dict[str, str] = field(default_factory=dict)
 
 
-def shared(config: pytest.Config) -> Shared:
+def shared(config: pytest.Config, environ: Mapping[str, str]) -> Shared:
     options, late = _runner.forwarded_options(config)
     return Shared(
         options=options,
@@ -82,6 +85,7 @@ def shared(config: pytest.Config) -> Shared:
         workerinput=_workerinput(config),
         junit_family=_junit_family(config),
         coverage=_coverage.parent_config(),
+        environ=dict(environ),
     )
 
 
@@ -752,6 +756,7 @@ def _start(
         junit_family=run.junit_family,
         coverage=run.coverage,
     )
+    env = {**run.environ, **env}
     holder = config.stash.get(ZYGOTE_KEY, None)
     if holder is not None:
         forked = holder.fork(config, spec, env)

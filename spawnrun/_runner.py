@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from spawnrun import CHILD_ENV
+from spawnrun import _bytecode
 from spawnrun import _child
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
@@ -386,8 +387,8 @@ class ChildProcess:
     def __init__(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
         conn, child_conn = CTX.Pipe(duplex=True)
         proc = CTX.Process(
-            target=_child.main,
-            args=(spec, child_conn),
+            target=_bytecode.boot,
+            args=(pickle.dumps((spec,)), child_conn, "spawnrun._child:main"),
             name=f"spawnrun {spec.nodeid}",
             daemon=False,
         )

@@ -186,6 +186,13 @@ def parse_pack(value: object, source: str) -> str:
     return text
 
 
+def parse_pycache(value: object, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in ("auto", "off"):
+        raise pytest.UsageError(f"{source}: expected auto or off, got {value!r}")
+    return text
+
+
 @dataclass(frozen=True)
 class Setting:
     name: str
@@ -377,6 +384,19 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="SIZE",
     ),
     Setting(
+        name="pycache",
+        cli="--spawn-pycache",
+        ini="spawn_pycache",
+        env="SPAWNRUN_PYCACHE",
+        marker_kwarg=None,
+        default="auto",
+        parse=parse_pycache,
+        help="Where bytecode may not be written (PYTHONDONTWRITEBYTECODE, -B), auto lets "
+        "children keep what they compile while booting in pytest's cache, so the next one "
+        "loads it instead of compiling torch again; off: compile in every child",
+        metavar="MODE",
+    ),
+    Setting(
         name="settle",
         cli="--spawn-settle",
         ini="spawn_settle",
@@ -443,6 +463,7 @@ class Settings:
     pack: str = "declared"
     per_gpu: int | None = None
     gpu_memory: int | None = None
+    pycache: str = "auto"
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""
     #: Whether ``@pytest.mark.forked`` spawns (pytest-forked is not there to own it).

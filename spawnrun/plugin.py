@@ -7,6 +7,7 @@ code lives in ``_runner``, ``_jobs`` and ``_scheduler``.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import shutil
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from spawnrun import _bytecode
 from spawnrun import _child
 from spawnrun import _cudawatch
 from spawnrun import _devices
@@ -211,10 +213,25 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         return
     # Once, when every plugin has configured itself (and coverage, if any, runs): all
     # children get these options.
-    config.stash[_jobs.SHARED_KEY] = _jobs.shared(config)
+    environ = {}
+    if _bytecode.wanted(config.stash[SETTINGS_KEY].pycache):
+        environ[_bytecode.ENV] = _pycache_dir(config)
+    config.stash[_jobs.SHARED_KEY] = _jobs.shared(config, environ)
     holder = config.stash.get(_jobs.ZYGOTE_KEY, None)
     if holder is not None:
+        holder.child_environ = environ
         holder.start(config)
+
+
+def _pycache_dir(config: pytest.Config) -> str:
+    """Where children keep their bytecode: pytest's cache, else this run's temp dir."""
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        with contextlib.suppress(OSError):
+            return str(cache.mkdir("spawnrun-pycache"))
+    directory = _runner.parent_basetemp(config) / "spawnrun" / "pycache"
+    directory.mkdir(parents=True, exist_ok=True)
+    return str(directory)
 
 
 @pytest.hookimpl

@@ -79,6 +79,12 @@ def test_spawn_gpu_from_each_source():
         ),
         ({}, {}, {"timeout": "nan"}, "command line option --spawn-timeout: seconds must be >= 0*"),
         ({"spawn_gpu": "maybe"}, {}, {}, "ini option 'spawn_gpu': expected a boolean*"),
+        (
+            {},
+            {"SPAWNRUN_PYCACHE": "on"},
+            {},
+            "environment variable SPAWNRUN_PYCACHE: expected auto or off, got 'on'",
+        ),
     ],
 )
 def test_bad_values_name_their_source(ini, env, cli, message):

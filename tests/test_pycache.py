@@ -1,0 +1,58 @@
+"""Children keep compiled bytecode where the environment forbids writing it (``_bytecode``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+SUITE = """
+import json, os, sys
+import slowlib
+
+import pytest
+
+@pytest.mark.gpu(count=0)
+@pytest.mark.parametrize("i", range(2))
+def test_flags(i):
+    seen = {
+        "dont_write": sys.dont_write_bytecode,
+        "prefix": sys.pycache_prefix,
+        "env": sorted(k for k in os.environ if "PYCACHE" in k),
+        "answer": slowlib.ANSWER,
+    }
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(json.dumps(seen) + "\\n")
+"""
+
+
+@pytest.mark.parametrize(
+    "method, mode", [("spawn", "auto"), ("forkserver", "auto"), ("spawn", "off")]
+)
+def test_children_keep_bytecode_but_their_tests_see_the_parents_settings(
+    pytester, monkeypatch, method, mode
+):
+    libs = pytester.mkdir("libs")
+    (libs / "slowlib.py").write_text("ANSWER = 42\n")
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    seen = pytester.path / "seen.jsonl"
+    monkeypatch.setenv("SEEN", str(seen))
+    pytester.makepyfile(test_suite=SUITE)
+    args = ["--spawn-method", method, "--spawn-pycache", mode]
+
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=2)
+    # The test itself sees what the parent has: no writing, no prefix, no variable.
+    rows = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert rows == [{"dont_write": True, "prefix": None, "env": [], "answer": 42}] * 2
+    assert not (libs / "__pycache__").exists()
+    kept = list((pytester.path / ".pytest_cache").rglob("slowlib*.pyc"))
+    if mode == "off":
+        assert kept == []
+        return
+    assert len(kept) == 1, kept
+    # A later child loads it: valid, so nobody writes it again.
+    written = kept[0].stat().st_mtime_ns
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
+    assert kept[0].stat().st_mtime_ns == written
