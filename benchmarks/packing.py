@@ -508,6 +508,7 @@ def execute(b: Bench) -> None:
         "pytest-forked": importlib.util.find_spec("pytest_forked") is None,
     }
     folders: dict[str, Path] = {}
+    warmed: set[str] = set()
     for p in plan(b):
         m = Measured(p.case, p.mode, p.args, p.tests, not p.learns, NO_SPAWNRUN[1] not in p.args)
         if missing.get(p.mode):
@@ -524,7 +525,22 @@ def execute(b: Bench) -> None:
             warm = make_suite(b.root, "warm-up", texts["exclusive"])
             run(warm, NO_SPAWNRUN, o.run_timeout, None, env=_env(o, os.devnull))
         env = {"PACKING_BODY_SECONDS": str(o.learn_body_seconds)} if p.learns else {}
-        b.go(m, folders[p.folder], env, cache=AUTO[0] in p.args)
+        cache = AUTO[0] in p.args
+        if o.warm and p.case in ("throughput", "exclusive"):
+            cache = True
+            if m.spawnrun and p.folder not in warmed:
+                # Untimed: a first spawnrun run fills the folder's bytecode cache.
+                warmed.add(p.folder)
+                print(f"[{b.elapsed():5.0f}s] warm-up (untimed): {p.case}, spawnrun fast")
+                run(
+                    folders[p.folder],
+                    FAST,
+                    o.run_timeout,
+                    None,
+                    env=_env(o, os.devnull),
+                    cache=True,
+                )
+        b.go(m, folders[p.folder], env, cache=cache)
         if p.case in ("leak", "exclusive"):
             m.checks["overlaps"] = overlaps(m.stamps)
         if p.case == "leak":
@@ -774,6 +790,12 @@ def main() -> None:
         choices=["once", "each"],
         default="once",
         help="auto: one learning run (fast mode) for both modes, or one per mode in its own cache",
+    )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="throughput and exclusive: runs keep pytest's cache in their folder, after an "
+        "untimed spawnrun run (a later run of a suite: spawn_pycache's bytecode is there)",
     )
     parser.add_argument("--reserve", default="1GiB", help="per-process reserve (default 1GiB)")
     parser.add_argument(
