@@ -211,6 +211,8 @@ class _Relay:
         self.internal_errors: list[str] = []
         self.notes: list[str] = []
         self.done = False
+        #: The test being run (the spec's, then later ones of its scope).
+        self.current = spec.nodeid
         self.config: Any = None
         #: Reports of the current execution made but not yet logged, by phase.
         self.made: dict[str, Any] = {}
@@ -372,17 +374,65 @@ class _Relay:
         _stackhook.install(os.path.dirname(self.spec.stacks_path))  # a new PYTHONPATH, say
         if self.spec.executions:
             _continue_reruns(item, self.spec.executions)
+        by_id = {i.nodeid: i for i in session.items}
+        then = [by_id[n] for n in self.spec.then if n in by_id]
+        while True:
+            # A scope's child keeps the fixtures its next test shares up (nextitem).
+            nextitem = then[0] if then else None
+            self._run(item, nextitem)
+            if nextitem is None:
+                break
+            found = self._next_test(by_id)
+            if found is None:
+                self._end_scope(session)
+                return
+            if found is not nextitem:
+                session._setupstate.teardown_exact(found)  # one in between did not come
+            then = then[then.index(found) + 1 :] if found in then else []
+            item = found
+        # The test is over, session-scoped fixtures included (nextitem=None): say so
+        # now. Session finish and unconfigure (pytest's final garbage collections cost
+        # ~0.3 s with torch loaded) run after, off the parent's critical path.
+        self.finish()
+
+    def _run(self, item: Any, nextitem: Any) -> None:
         try:
-            item.config.hook.pytest_runtest_protocol(item=item, nextitem=None)
+            item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
         except KeyboardInterrupt as exc:
             self._interrupted(_keyboard_interrupt(exc))
             raise
         except pytest.exit.Exception as exc:
             self._interrupted(proto.Interrupted(False, exc.msg, exc.returncode))
             raise
-        # The test is over, session-scoped fixtures included (nextitem=None): say so
-        # now. Session finish and unconfigure (pytest's final garbage collections cost
-        # ~0.3 s with torch loaded) run after, off the parent's critical path.
+
+    def _next_test(self, by_id: dict[str, Any]) -> Any:
+        """Say this test is done, and wait for the next one of the scope (None: stop)."""
+        peaks = _probe.reserved_peaks()
+        peak = sum(peaks) if peaks else None
+        per_device = max(peaks) if peaks else None
+        self.send(proto.Done(self.notes, self._terminal_since(), peak, per_device, more=True))
+        self.notes = []
+        _probe.reset_peaks()
+        try:
+            go = self.conn.recv()
+        except (EOFError, OSError):
+            return None
+        if not isinstance(go, proto.Go) or go.nodeid not in by_id:
+            return None
+        for name in go.env_unset:
+            os.environ.pop(name, None)
+        os.environ.update(go.env_set)
+        self.current = go.nodeid
+        return by_id[go.nodeid]
+
+    def _end_scope(self, session: Any) -> None:
+        """Stopped between tests: tear the scope's fixtures down, free the devices."""
+        self.done = True  # the last test said "done"; what follows is told as After
+        try:
+            session._setupstate.teardown_exact(None)
+        except BaseException:  # noqa: BLE001 - told to the parent, never raised here
+            self.notes.append("error tearing the scope's fixtures down:\n" + traceback.format_exc())
+        _probe.release_devices()
         self.finish()
 
     def _interrupted(self, msg: proto.Interrupted) -> None:
@@ -439,7 +489,7 @@ class _Relay:
         self._enter(item, "teardown")
 
     def _enter(self, item: Any, when: str) -> None:
-        if item.nodeid != self.spec.nodeid:
+        if item.nodeid != self.current:
             return
         if when == "setup":
             self.made.clear()
@@ -451,7 +501,7 @@ class _Relay:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: Any, call: Any) -> Any:
         report = yield
-        if item.nodeid == self.spec.nodeid:
+        if item.nodeid == self.current:
             if report.failed:
                 note = _budget.out_of_memory_note(call.excinfo)
                 if note:
@@ -460,7 +510,7 @@ class _Relay:
         return report
 
     def pytest_runtest_logreport(self, report: Any) -> None:
-        if report.nodeid != self.spec.nodeid:
+        if report.nodeid != self.current:
             return
         self.made.pop(report.when, None)
         data = self._serializable(report)

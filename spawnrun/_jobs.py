@@ -29,9 +29,11 @@ from __future__ import annotations
 import enum
 import os
 import pickle
+import re
 import signal
 import time
 from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import field
 from itertools import count
@@ -45,6 +47,7 @@ from spawnrun import _coverage
 from spawnrun import _devices
 from spawnrun import _forkserver
 from spawnrun import _packing
+from spawnrun import _poison
 from spawnrun import _protocol as proto
 from spawnrun import _replay
 from spawnrun import _reports
@@ -123,6 +126,8 @@ class State(enum.Enum):
     EXITING = "exiting"
     REAPING = "reaping"
     SETTLING = "settling"
+    #: Its test is over; its child waits for the next test of its scope.
+    HANDOVER = "between tests"
     FINISHED = "finished"
 
 
@@ -147,8 +152,17 @@ class Job:
         devices: list[str],
         settle: float | None,
         capacity: Mapping[str, int | None] | None = None,
+        then: list[str] | None = None,
+        poison: list[re.Pattern[str]] | None = None,
     ) -> None:
         self.item = item
+        #: The tests of its scope after this one (its child may run them after it).
+        self.then = list(then or [])
+        self.poison = poison or []
+        #: Why its child was not handed to the scope's next test ("": it was, or none).
+        self.replaced = ""
+        #: Its child ran the scope's test before it (it booted nothing).
+        self.adopted = False
         self.plan = plan
         self.timeout = plan.timeout
         self.devices = devices
@@ -163,7 +177,7 @@ class Job:
         #: NVML no longer lists its processes on its devices: they may be handed on now.
         self.released = False
         self.replay = _replay.Replay(item)
-        self.candidates = _candidate_args(item)
+        self.candidates = _candidate_args(item, self.then)
         self.problems: list[str] = []
         self.child: _runner.ChildProcess | None = None
         #: The devices it holds in the allocator (its planned ones, from its go on).
@@ -249,7 +263,7 @@ class Job:
         """
         self.environ = dict(os.environ)
         try:
-            child = _start(self.item, self.candidates[0], self.env(), self.executions)
+            child = _start(self.item, self.candidates[0], self.env(), self.executions, self.then)
         except Exception as exc:  # noqa: BLE001 - the test's failure, never the run's end
             self.child = None
             if self.turned:
@@ -272,6 +286,10 @@ class Job:
         """pytest reached this test. Remember what changed in the parent's environment."""
         self.turned = True
         self.parent_error = parent_error
+        self._env_changes()
+
+    def _env_changes(self) -> None:
+        """What changed in the parent's environment since the child's start (or last go)."""
         protected = set(self.env())
         now = os.environ
         self.env_set = {
@@ -292,9 +310,34 @@ class Job:
             self.state = State.BOOTING
             self._arm()
 
+    def adopt(self, donor: Job) -> None:
+        """Take over the child of the scope's previous test, its devices and claims."""
+        self.child, donor.child = donor.child, None
+        assert self.child is not None
+        self.adopted = True
+        self.pids = set(donor.pids)
+        self.devices, self.claimed = donor.devices, donor.claimed
+        self.held, donor.held = donor.held, []
+        self.token = donor.token
+        # The child's environment now: as at its start, with every go's changes since.
+        self.environ = {**donor.environ, **donor.env_set}
+        for name in donor.env_unset:
+            self.environ.pop(name, None)
+        self._env_changes()
+        self.candidates = []
+        self.started = time.monotonic()
+        self.state = State.WAITING
+        donor.state, donor.deadline = State.FINISHED, None
+
+    def dismiss(self) -> None:
+        """No next test for the child waiting between tests: it tears down and ends."""
+        if self.state is State.HANDOVER and self.child is not None:
+            self.child.stop()
+            self._to(State.EXITING)
+
     def _send_go(self) -> None:
         assert self.child is not None
-        self.child.go(self.env_set, self.env_unset)
+        self.child.go(self.env_set, self.env_unset, self.item.nodeid if self.adopted else "")
         self.went = time.monotonic()
         self.state = State.RUNNING
         self._arm()
@@ -383,7 +426,7 @@ class Job:
             self._learn(msg.peak_per_device)
             if self.interrupted is None:
                 replay.complete(msg.notes)
-            self._ended()
+            self._ended(handover=msg.more and self.interrupted is None)
         else:  # the pipe ended before "done": the child died, or cannot be heard
             self._pipe_ended(msg.cause)
 
@@ -416,7 +459,7 @@ class Job:
             self._pipe_ended("")  # gone without its "done" (a process it left holds the pipe)
         if not child.gone:
             child.reaped()
-            if self.state is State.EXITING:
+            if self.state is State.EXITING or self.state is State.HANDOVER:
                 self._to(State.REAPING)
 
     def on_deadline(self, now: float) -> None:
@@ -462,8 +505,12 @@ class Job:
         self.state = state
         self._arm()
 
-    def _ended(self) -> None:
-        """The test is over and its reports complete; the process may still be exiting."""
+    def _ended(self, handover: bool = False) -> None:
+        """The test is over and its reports complete; the process may still be exiting.
+
+        ``handover``: the child waits for the scope's next test, unless this test's
+        failure says the process is broken (``_poison``): then it ends, and says why.
+        """
         if self.went:
             # From the go to "done", at least what pytest timed of the phases.
             timed = sum(r.duration for r in self.replay.reports)
@@ -476,10 +523,21 @@ class Job:
             self.replay.properties.append(("spawnrun_peak_gpu_mib", mib))
         child = self.child
         assert child is not None
+        if handover:
+            self.replaced = _poison.verdict(self.replay.reports, self.poison)
+            if self.replaced:
+                text = (
+                    f"child replaced: {self.replaced}; the scope's next test runs in a fresh child"
+                )
+                self.replay.note_failure(_reports.REPLACED_TITLE, text)
         if child.gone or child.exitcode is not None:
             child.reaped()
             self._to(State.REAPING)
+        elif handover and not self.replaced:
+            self.state, self.deadline = State.HANDOVER, None
         else:
+            if handover:
+                child.stop()
             self._to(State.EXITING)
 
     def _pipe_ended(self, problem: str) -> None:
@@ -673,7 +731,7 @@ class Job:
         return retired
 
     def reset_candidates(self) -> None:
-        self.candidates = _candidate_args(self.item)
+        self.candidates = _candidate_args(self.item, self.then)
 
 
 def _init_lock(config: pytest.Config, device: str) -> Path:
@@ -726,15 +784,24 @@ def _workerinput(config: pytest.Config) -> dict[str, Any] | None:
     return plain
 
 
-def _candidate_args(item: pytest.Item) -> list[list[str]]:
-    """The test's file alone first (cheap); what the parent collected on fallback."""
+def _candidate_args(item: pytest.Item, then: Sequence[str] = ()) -> list[list[str]]:
+    """The test's file alone first (cheap), with those of its scope's later tests; what
+    the parent collected on fallback."""
     first = [str(item.path)]
+    for nodeid in then:
+        path = str(item.config.rootpath / nodeid.split("::")[0])
+        if path not in first:
+            first.append(path)
     fallback = list(item.config.args)
     return [first] if fallback == first else [first, fallback]
 
 
 def _start(
-    item: pytest.Item, args: list[str], env: Mapping[str, str], executions: int = 0
+    item: pytest.Item,
+    args: list[str],
+    env: Mapping[str, str],
+    executions: int = 0,
+    then: Sequence[str] = (),
 ) -> _runner.ChildProcess:
     config = item.config
     workdir = _runner.child_dir(config, item.nodeid, next(_serial))
@@ -755,6 +822,7 @@ def _start(
         executions=executions,
         junit_family=run.junit_family,
         coverage=run.coverage,
+        then=list(then),
     )
     env = {**run.environ, **env}
     holder = config.stash.get(ZYGOTE_KEY, None)

@@ -72,6 +72,15 @@ def reserved_peaks() -> list[int] | None:
         return None
 
 
+def reset_peaks() -> None:
+    """Start torch's peak figures afresh (the next test of a scope's child)."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    with contextlib.suppress(Exception):
+        if cuda is not None and cuda.is_initialized():
+            for i in range(cuda.device_count()):
+                cuda.reset_peak_memory_stats(i)
+
+
 def release_devices() -> None:
     """Free this process's CUDA contexts now, before its session ends and it exits.
 

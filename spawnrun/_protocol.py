@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,9 @@ class ChildSpec:
     #: The configuration of the parent's coverage, serialized ("": not measured): the
     #: child measures itself with it (``_coverage``).
     coverage: str = ""
+    #: The tests of its scope after this one, in order (``--spawn-scope``): the child
+    #: keeps their fixtures up between them and runs each when a ``Go`` names it.
+    then: list[str] = field(default_factory=list)
     protocol: int = PROTOCOL_VERSION
 
 
@@ -100,6 +103,14 @@ class Go:
 
     env_set: dict[str, str] = field(default_factory=dict)
     env_unset: list[str] = field(default_factory=list)
+    #: The test to run ("": the child's first, ``ChildSpec.nodeid``); a later one of its
+    #: scope after a ``Done`` with ``more``.
+    nodeid: str = ""
+
+
+@dataclass(frozen=True)
+class Stop:
+    """No more tests for this child: tear its scope's fixtures down and end."""
 
 
 @dataclass(frozen=True)
@@ -162,6 +173,8 @@ class Done:
     peak_device_bytes: int | None = None
     #: The most torch reserved on any one of its devices (what a budget caps).
     peak_per_device: int | None = None
+    #: The child waits for another test of its scope (a ``Go`` naming it, or ``Stop``).
+    more: bool = False
 
 
 @dataclass(frozen=True)

@@ -139,6 +139,12 @@ class Replay:
         if "teardown" not in self.seen:
             self.add(_reports.make(self.item, "teardown", "passed"))
 
+    def note_failure(self, title: str, text: str) -> None:
+        """A section on the test's first failure (else its teardown report)."""
+        target = next((r for r in self.reports if r.failed), self.seen.get("teardown"))
+        if target is not None:
+            target.sections.append((title, text))
+
     def note(self, title: str, text: str) -> None:
         """A section on the teardown report (the one junitxml and -rA show last)."""
         teardown = self.seen.get("teardown")

@@ -184,3 +184,7 @@ def tail(path: Path) -> str:
     if size > TAIL_BYTES:
         data = f"[... {size - TAIL_BYTES} bytes cut ...]\n" + data
     return data.strip()
+
+
+#: The section that says why a scope's child did not run the next test.
+REPLACED_TITLE = "spawnrun: child replaced"

@@ -35,6 +35,7 @@ timeout.
 from __future__ import annotations
 
 import contextlib
+import re
 import statistics
 import time
 from collections.abc import Sequence
@@ -109,6 +110,14 @@ class Scheduler:
         self.status: _status.Status | None = None
         #: The tests that were running when the run was interrupted.
         self.interrupted: list[_status.Running] = []
+        #: The spawned tests of each scope that shares a child, in order (set at
+        #: collection), and the job that has (or last had) the scope's child.
+        self.members: dict[str, list[str]] = {}
+        self.scope_job: dict[str, Job] = {}
+        #: Failures after which a scope's child is replaced (``_poison``).
+        self.poison: list[re.Pattern[str]] = []
+        #: Scope children replaced after a test said the process is broken.
+        self.replaced = 0
 
     # Turns ---------------------------------------------------------------------------
 
@@ -125,6 +134,7 @@ class Scheduler:
         waits for its devices.
         """
         parent_error = _replay.parent_teardown(item, nextitem)
+        self._dismiss_idle(keep=plan.scope)
         job = self.ahead.pop(item.nodeid, None)
         if job is None:
             job = self._job(item, plan, [])
@@ -166,14 +176,48 @@ class Scheduler:
             self.loop_once(_sooner(timeout, self._redraw()))
 
     def _job(self, item: pytest.Item, plan: _packing.Plan, devices: list[str]) -> Job:
-        return Job(item, plan, devices, self.settle, self.allocator.capacity)
+        members = self.members.get(plan.scope, []) if plan.scope else []
+        then = members[members.index(item.nodeid) + 1 :] if item.nodeid in members else []
+        return Job(item, plan, devices, self.settle, self.allocator.capacity, then, self.poison)
+
+    def _dismiss_idle(self, keep: str = "") -> None:
+        """Children waiting between tests of a scope other than ``keep`` get no more."""
+        for job in self.jobs:
+            if job.state is State.HANDOVER and job.plan.scope != keep:
+                job.dismiss()
+
+    def _adopt(self, job: Job) -> bool | None:
+        """A scope's next test: its child is ours once the previous test is done.
+
+        True: adopted; False: wait (the previous test still runs); None: no child to
+        adopt (the first of its scope, or the last one ended), start one.
+        """
+        donor = self.scope_job.get(job.plan.scope)
+        if donor is None or donor is job or donor not in self.jobs:
+            return None
+        if donor.state in LISTENING and donor.turned:
+            return False
+        if donor.state is not State.HANDOVER or donor.child is None or donor.child.gone:
+            return None
+        if job.child is not None:  # booted ahead after all: not needed
+            job.retire_child()
+            self.graveyard.extend(job.take_retired())
+        job.adopt(donor)
+        return True
 
     def _try_go(self, job: Job) -> bool:
         if self._in_slots() >= self.limit:
             return False
         plan = job.plan
         need = plan.need
-        if plan.every:
+        adopted = self._adopt(job) if plan.scope else None
+        if adopted is False:
+            return False
+        if plan.scope:
+            self.scope_job[plan.scope] = job
+        if adopted:
+            pass  # the child, its devices and its claims came from the previous test
+        elif plan.every:
             # --spawn-gpu alone: it sees every device, so it claims every one.
             ids = list(self.allocator.ids)
             if ids and not self.allocator.take_exact(ids, need, job.token):
@@ -246,6 +290,8 @@ class Scheduler:
                 return
             if item.nodeid in self.ahead or any(j.item is item for j in self.jobs):
                 continue
+            if plan.scope and self.members.get(plan.scope, [item.nodeid])[0] != item.nodeid:
+                continue  # a scope's later test runs in the child of the scope's first
             devices = self._plan(plan.count) if plan.count and not plan.every else []
             job = self._job(item, plan, devices)
             job.start()
@@ -366,6 +412,11 @@ class Scheduler:
 
     # Ends ----------------------------------------------------------------------------
 
+    def last(self) -> None:
+        """The session's last test was submitted: no scope's child waits for more."""
+        self._dismiss_idle()
+        self.drain()
+
     def drain(self) -> None:
         """Wait until every test whose turn came has been replayed."""
         with self._waiting():
@@ -411,6 +462,7 @@ class Scheduler:
         A child still booted ahead or running now has no turn or report to come (the run
         loop ended early: an error, an interrupt): it is ended, not waited for.
         """
+        self._dismiss_idle()
         for job in list(self.jobs):
             if job.state in LISTENING:
                 job.replayed = True
@@ -449,6 +501,7 @@ class Scheduler:
 
     def _count_test(self, job: Job) -> None:
         self.isolated += 1
+        self.replaced += bool(job.replaced)
         self.crashes += job.crashes
         self.timeouts += job.timeouts
         self.reaped += job.reaped_count
@@ -493,6 +546,9 @@ class Scheduler:
             first += f"; {self.replans} replanned onto other devices"
         lines = [first]
         ends = []
+        if self.replaced:
+            were = "child was" if self.replaced == 1 else "children were"
+            ends.append(f"{self.replaced} {were} replaced after a failure that breaks the process")
         if self.crashes:
             ends.append(f"{self.crashes} crashed")
         if self.timeouts:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import keyword
 import math
 import os
+import re
 import shlex
 from collections.abc import Callable
 from collections.abc import Mapping
@@ -184,6 +185,40 @@ def parse_pack(value: object, source: str) -> str:
     if text not in PACK_MODES:
         raise pytest.UsageError(f"{source}: expected off, declared or auto, got {value!r}")
     return text
+
+
+SCOPES = ("test", "class", "module")
+
+
+def parse_scope(value: object, source: str) -> str:
+    text = str(value).strip().lower() if isinstance(value, str) else value
+    if text not in SCOPES:
+        raise pytest.UsageError(f"{source}: expected test, class or module, got {value!r}")
+    return str(text)
+
+
+def parse_group(value: object, source: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise pytest.UsageError(
+            f"{source}: expected a group name (a non-empty string), got {value!r}"
+        )
+    return value.strip()
+
+
+def parse_poison(value: object, source: str) -> tuple[str, ...]:
+    """Regular expressions, one per line: failures that leave a child unfit for more."""
+    lines = value if isinstance(value, list) else str(value).splitlines()
+    patterns = tuple(str(line).strip() for line in lines if str(line).strip())
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise pytest.UsageError(
+                f"{source}: {pattern!r} is not a regular expression ({exc})"
+            ) from None
+    return patterns
 
 
 def parse_pycache(value: object, source: str) -> str:
@@ -384,6 +419,39 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="SIZE",
     ),
     Setting(
+        name="scope",
+        cli="--spawn-scope",
+        ini="spawn_scope",
+        env="SPAWNRUN_SCOPE",
+        marker_kwarg="scope",
+        default="test",
+        parse=parse_scope,
+        help="Tests one child runs: test (a fresh child each), class or module (one child "
+        "per class or module, its fixtures shared as in-process)",
+        metavar="SCOPE",
+    ),
+    Setting(
+        name="group",
+        cli=None,
+        ini=None,
+        env=None,
+        marker_kwarg="group",
+        default=None,
+        parse=parse_group,
+        help="Tests with the same group run in one child, wherever they are collected",
+    ),
+    Setting(
+        name="poison",
+        cli=None,
+        ini="spawn_poison",
+        env=None,
+        marker_kwarg=None,
+        default=(),
+        parse=parse_poison,
+        help="Regular expressions, one per line, for failures after which a scope's child "
+        "is replaced (besides the built-in sticky CUDA, cuBLAS and NCCL errors)",
+    ),
+    Setting(
         name="pycache",
         cli="--spawn-pycache",
         ini="spawn_pycache",
@@ -464,6 +532,9 @@ class Settings:
     per_gpu: int | None = None
     gpu_memory: int | None = None
     pycache: str = "auto"
+    scope: str = "test"
+    group: str | None = None
+    poison: tuple[str, ...] = ()
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""
     #: Whether ``@pytest.mark.forked`` spawns (pytest-forked is not there to own it).

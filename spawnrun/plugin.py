@@ -27,6 +27,7 @@ from spawnrun import _devices
 from spawnrun import _forkserver
 from spawnrun import _jobs
 from spawnrun import _packing
+from spawnrun import _poison
 from spawnrun import _probe
 from spawnrun import _reports
 from spawnrun import _runner
@@ -137,6 +138,7 @@ def pytest_configure(config: pytest.Config) -> None:
         holder,
     )
     scheduler.status = _status.Status(config, several=limit > 1)
+    scheduler.poison = _poison.patterns(settings.poison)
     config.pluginmanager.register(_Spawns(), "spawnrun-spawns")
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
@@ -272,6 +274,79 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         elif spawns and _skipped_statically(item):
             spawns = False  # pytest skips it here, as in the child, without a child
         item.stash[SPAWNS_KEY] = spawns
+    items[:] = _scopes(config, settings, items)
+
+
+def _scopes(
+    config: pytest.Config, settings: _settings.Settings, items: list[pytest.Item]
+) -> list[pytest.Item]:
+    """Which spawned tests share a child (``Plan.scope``), and the order they run in.
+
+    A group's tests move to where its first test is, so one child runs them together;
+    class and module scopes are together already. Tests of one scope need the same
+    devices and budget: their child holds them for all.
+    """
+    members: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        if item.stash[SPAWNS_KEY]:
+            key = _scope_key(item, settings)
+            if key:
+                members.setdefault(key, []).append(item)
+    for key, tests in members.items():
+        first = tests[0].stash[PLAN_KEY]
+        for other in tests[1:]:
+            plan = other.stash[PLAN_KEY]
+            if (plan.count, plan.need, plan.every) != (first.count, first.need, first.every):
+                raise pytest.UsageError(
+                    f"{tests[0].nodeid} and {other.nodeid} share a child ({key}) but need "
+                    f"different devices or budgets ({_needs(first)} against {_needs(plan)}): "
+                    "give them the same count= and memory=, or different scopes"
+                )
+        for item in tests:
+            item.stash[PLAN_KEY] = replace(item.stash[PLAN_KEY], scope=key)
+    config.stash[SCHEDULER_KEY].members = {k: [t.nodeid for t in v] for k, v in members.items()}
+    groups = {k: v for k, v in members.items() if k.startswith("group ")}
+    if not groups:
+        return items
+    ordered: list[pytest.Item] = []
+    moved = {id(t) for v in groups.values() for t in v}
+    for item in items:
+        key = item.stash[PLAN_KEY].scope if id(item) in moved else ""
+        if not key:
+            ordered.append(item)
+        elif groups[key][0] is item:
+            ordered += groups[key]
+    return ordered
+
+
+def _needs(plan: _packing.Plan) -> str:
+    budget = "alone" if plan.need is _packing.ALONE else _packing.show(plan.need)
+    return f"{'every GPU' if plan.every else plan.count}, {budget}"
+
+
+def _scope_key(item: pytest.Item, settings: _settings.Settings) -> str:
+    """The scope whose child runs ``item`` ("": a child of its own)."""
+    group = _closest_kwarg(item, settings, "group", _settings.parse_group)
+    if group:
+        return f"group {group}"
+    scope = _closest_kwarg(item, settings, "scope", _settings.parse_scope) or settings.scope
+    if scope == "module":
+        return f"module {item.nodeid.split('::')[0]}"
+    if scope == "class":
+        cls = item.getparent(pytest.Class)
+        return f"class {cls.nodeid}" if cls is not None else ""
+    return ""
+
+
+def _closest_kwarg(item: pytest.Item, settings: _settings.Settings, name: str, parse: Any) -> Any:
+    """A marker keyword from the closest spawn marker that has it (test, class, module)."""
+    for mark in item.iter_markers(name=settings.marker):
+        if name in mark.kwargs:
+            return parse(
+                mark.kwargs[name],
+                f"{item.nodeid}: @pytest.mark.{settings.marker}({name}={mark.kwargs[name]!r})",
+            )
+    return None
 
 
 def _cannot_run(plan: _packing.Plan, ids: tuple[str, ...], capacity: dict[str, int | None]) -> str:
@@ -475,7 +550,7 @@ class _AfterEachTest:
             scheduler.abort()
         elif nextitem is None:
             # The last test: wait for all children now, so the exit status counts them.
-            scheduler.drain()
+            scheduler.last()
             if item.config.stash[_jobs.SHARED_KEY].coverage:
                 # And for them to be gone: their coverage data is saved as they leave,
                 # and pytest-cov combines it when the run loop ends (before sessionfinish).
