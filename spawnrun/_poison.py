@@ -31,7 +31,7 @@ BUILTIN = (
 
 
 def patterns(extra: Iterable[str]) -> list[re.Pattern[str]]:
-    return [re.compile(p) for p in (*BUILTIN, *extra)]
+    return [re.compile(p, re.MULTILINE) for p in (*BUILTIN, *extra)]
 
 
 def verdict(reports: Iterable[pytest.TestReport], found: list[re.Pattern[str]]) -> str:

@@ -208,7 +208,8 @@ def parse_group(value: object, source: str) -> str | None:
 
 
 def parse_poison(value: object, source: str) -> tuple[str, ...]:
-    """Regular expressions, one per line: failures that leave a child unfit for more."""
+    """Regular expressions, one per line (``$`` ends a line): failures after which a
+    scope's child is replaced."""
     lines = value if isinstance(value, list) else str(value).splitlines()
     patterns = tuple(str(line).strip() for line in lines if str(line).strip())
     for pattern in patterns:

@@ -85,6 +85,13 @@ def test_spawn_gpu_from_each_source():
             {},
             "environment variable SPAWNRUN_PYCACHE: expected auto or off, got 'on'",
         ),
+        ({"spawn_scope": "session"}, {}, {}, "ini option 'spawn_scope': expected test, class*"),
+        (
+            {"spawn_poison": "ok\n(unclosed"},
+            {},
+            {},
+            "ini option 'spawn_poison': '(unclosed' is not a regular expression*",
+        ),
     ],
 )
 def test_bad_values_name_their_source(ini, env, cli, message):

@@ -1,0 +1,246 @@
+"""Isolation per class, module or group: one child runs the tests of its scope.
+
+Every test of an inner suite writes a line (its name, its pid, how many times its
+module's fixture was built in that process), from which who shared a child is read.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+RECORD = """
+import json, os
+
+def record(name, builds=0):
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(json.dumps({"name": name, "pid": os.getpid(), "builds": builds}) + "\\n")
+"""
+
+MODULE = """
+import os, signal, time
+import pytest
+from record import record
+{mark}
+BUILDS = []
+
+@pytest.fixture(scope="module")
+def model():
+    BUILDS.append(1)
+    yield
+    record("{name} teardown")
+
+@pytest.mark.parametrize("i", range(4))
+def test_{name}(model, i):
+    record(f"{name}{{i}}", len(BUILDS))
+    if i == 1:
+        {second}
+"""
+
+DEATHS = {
+    "passes": "pass",
+    "segfault": "os.kill(os.getpid(), signal.SIGSEGV)",
+    "exit": "os._exit(3)",
+    "timeout": "time.sleep(60)",
+    "poison": 'raise RuntimeError("CUDA error: an illegal memory access was encountered")',
+    "own poison": 'raise RuntimeError("mylib: context is wedged")',
+}
+
+
+def seen(pytester: pytest.Pytester) -> dict[str, dict[str, int]]:
+    path = pytester.path / "seen.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {r["name"]: r for r in map(json.loads, lines)}
+
+
+@pytest.fixture
+def suite(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    monkeypatch.setenv("SEEN", str(pytester.path / "seen.jsonl"))
+    pytester.makepyfile(record=RECORD)
+    return pytester
+
+
+def write_module(pytester: pytest.Pytester, name: str, mark: str, second: str = "pass") -> None:
+    text = MODULE.format(name=name, mark=mark, second=second)
+    pytester.makepyfile(**{f"test_{name}": textwrap.dedent(text)})
+
+
+@pytest.mark.parametrize(
+    "method, how",
+    [("spawn", "marker"), ("forkserver", "marker"), ("spawn", "option"), ("forkserver", "ini")],
+)
+def test_a_module_shares_one_child_and_one_fixture_build(suite, method, how):
+    mark = 'pytestmark = pytest.mark.gpu(count=0, scope="module")'
+    args = ["--spawn-method", method, "-p", "no:cacheprovider"]
+    if how != "marker":
+        mark = "pytestmark = pytest.mark.gpu(count=0)"
+    if how == "option":
+        args += ["--spawn-scope", "module"]
+    if how == "ini":
+        suite.makeini("[pytest]\nspawn_scope = module\n")
+    write_module(suite, "a", mark)
+    write_module(suite, "b", mark)
+    # A module that says scope="test" keeps a child per test whatever the default.
+    write_module(suite, "c", 'pytestmark = pytest.mark.gpu(count=0, scope="test")')
+    result = suite.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=12)
+    rows = seen(suite)
+    for name in ("a", "b"):
+        pids = {rows[f"{name}{i}"]["pid"] for i in range(4)}
+        assert len(pids) == 1, rows
+        assert [rows[f"{name}{i}"]["builds"] for i in range(4)] == [1, 1, 1, 1]
+        # Torn down in that child, after its module's last test.
+        assert rows[f"{name} teardown"]["pid"] in pids
+    assert rows["a0"]["pid"] != rows["b0"]["pid"]
+    assert len({rows[f"c{i}"]["pid"] for i in range(4)}) == 4
+    result.stdout.fnmatch_lines(["*12 tests isolated in 6 children*"])
+
+
+@pytest.mark.parametrize(
+    "death, method",
+    [
+        ("segfault", "spawn"),
+        ("exit", "forkserver"),
+        ("timeout", "spawn"),
+        ("poison", "forkserver"),
+        ("own poison", "spawn"),
+        ("passes", "spawn"),
+    ],
+)
+def test_a_broken_child_fails_only_its_test_and_the_module_goes_on_fresh(suite, death, method):
+    write_module(
+        suite,
+        "m",
+        'pytestmark = pytest.mark.gpu(count=0, scope="module", timeout=4)',
+        DEATHS[death],
+    )
+    if death == "own poison":
+        suite.makeini("[pytest]\nspawn_poison =\n    wedged$\n    never matched\n")
+    result = suite.runpytest_subprocess("--spawn-method", method, "-p", "no:cacheprovider")
+    rows = seen(suite)
+    if death == "passes":
+        result.assert_outcomes(passed=4)
+        assert len({rows[f"m{i}"]["pid"] for i in range(4)}) == 1
+        return
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_m.py::test_m[[]1[]]*"])
+    # The test before it ran in the same child; the ones after in a fresh one, which
+    # built the module's fixture once for them.
+    assert rows["m0"]["pid"] == rows["m1"]["pid"] != rows["m2"]["pid"] == rows["m3"]["pid"]
+    assert rows["m2"]["builds"] == rows["m3"]["builds"] == 1
+    assert rows["m teardown"]["pid"] == rows["m3"]["pid"]
+    result.stdout.fnmatch_lines(["*4 tests isolated in 2 children*"])
+    if "poison" in death:
+        result.stdout.fnmatch_lines(
+            ["*spawnrun: child replaced*", "child replaced: its call failed with*"]
+        )
+        result.stdout.fnmatch_lines(["*1 child was replaced after a failure*"])
+    else:
+        result.stdout.no_fnmatch_line("*child replaced*")
+
+
+def test_a_group_joins_tests_of_two_modules_into_one_child(suite):
+    suite.makepyfile(
+        test_g1="""
+        import pytest
+        from record import record
+
+        @pytest.mark.gpu(count=0, group="llm")
+        def test_first():
+            record("first")
+
+        @pytest.mark.gpu(count=0)
+        def test_between():
+            record("between")
+        """,
+        test_g2="""
+        import pytest
+        from record import record
+
+        @pytest.mark.gpu(count=0, group="llm")
+        def test_second():
+            record("second")
+        """,
+    )
+    result = suite.runpytest_subprocess("-v", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=3)
+    rows = seen(suite)
+    assert rows["first"]["pid"] == rows["second"]["pid"] != rows["between"]["pid"]
+    # The group runs together, at its first test's place.
+    result.stdout.fnmatch_lines(["*test_first PASSED*", "*test_second PASSED*", "*test_between*"])
+
+
+def test_class_scope_shares_a_child_per_class(suite):
+    suite.makepyfile(
+        test_k="""
+        import pytest
+        from record import record
+
+        pytestmark = pytest.mark.gpu(count=0, scope="class")
+
+        class TestOne:
+            def test_a(self):
+                record("one a")
+            def test_b(self):
+                record("one b")
+
+        class TestTwo:
+            def test_a(self):
+                record("two a")
+
+        def test_free():
+            record("free")
+        """
+    )
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)
+    rows = seen(suite)
+    assert rows["one a"]["pid"] == rows["one b"]["pid"]
+    assert len({rows[n]["pid"] for n in ("one a", "two a", "free")}) == 3
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            'pytestmark = pytest.mark.gpu(scope="session")',
+            "*test_bad.py::test_x: @pytest.mark.gpu(scope='session'): expected test, class "
+            "or module, got 'session'*",
+        ),
+        ('pytestmark = pytest.mark.gpu(group="")', "*(group=''): expected a group name*"),
+        (
+            'pytestmark = pytest.mark.gpu(count=0, scope="module")\n@pytest.mark.gpu(count=1)',
+            "*test_bad.py::test_x and test_bad.py::test_y share a child (module test_bad.py) "
+            "but need different devices or budgets*",
+        ),
+    ],
+)
+def test_bad_scopes_are_usage_errors_naming_their_source(pytester, text, message):
+    body = "\ndef test_x():\n    pass\n\ndef test_y():\n    pass\n"
+    pytester.makepyfile(test_bad=f"import pytest\n{text}{body}")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-gpus", "0,")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+def test_under_xdist_loadfile_a_module_shares_its_workers_child(suite):
+    pytest.importorskip("xdist")
+    mark = 'pytestmark = pytest.mark.gpu(count=0, scope="module")'
+    write_module(suite, "a", mark)
+    write_module(suite, "b", mark)
+    result = suite.runpytest_subprocess("-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=8)
+    rows = seen(suite)
+    for name in ("a", "b"):
+        assert len({rows[f"{name}{i}"]["pid"] for i in range(4)}) == 1
+        assert [rows[f"{name}{i}"]["builds"] for i in range(4)] == [1, 1, 1, 1]
+
+
+def test_default_scope_stays_one_child_per_test(suite):
+    write_module(suite, "d", "pytestmark = pytest.mark.gpu(count=0)")
+    suite.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=4)
+    rows = seen(suite)
+    assert len({rows[f"d{i}"]["pid"] for i in range(4)}) == 4
+    assert [rows[f"d{i}"]["builds"] for i in range(4)] == [1, 1, 1, 1]
