@@ -419,11 +419,16 @@ class _Relay:
             return None
         if not isinstance(go, proto.Go) or go.nodeid not in by_id:
             return None
+        item = by_id[go.nodeid]
+        problem = self._bind_parents(item, go.params)
+        if problem:
+            self.send(proto.Booted(os.getpid(), False, problem))
+            return None
         for name in go.env_unset:
             os.environ.pop(name, None)
         os.environ.update(go.env_set)
         self.current = go.nodeid
-        return by_id[go.nodeid]
+        return item
 
     def _end_scope(self, session: Any) -> None:
         """Stopped between tests: tear the scope's fixtures down, free the devices."""
@@ -567,7 +572,7 @@ class _Relay:
             said = "\n".join(self.internal_errors)[-_EARLY_TAIL:].strip()
         return f"{text}; the child's pytest said:\n{said}" if said else text
 
-    def _bind_parents(self, item: Any) -> str:
+    def _bind_parents(self, item: Any, theirs: dict[str, proto.Binding] | None = None) -> str:
         """Make the child's test the parent's; "" once it is, else why it cannot be.
 
         Where the child's values read as the parent's, the child's own run (as they
@@ -578,30 +583,31 @@ class _Relay:
         is refused, never run.
         """
         mine = proto.spellings(item)
-        theirs = self.spec.params
+        theirs = self.spec.params if theirs is None else theirs
         differ = sorted(k for k in mine if k in theirs and mine[k] != theirs[k].spelling)
         if set(mine) != set(theirs):
-            return self._other_test(mine, "it takes other parameters")
+            return self._other_test(item, theirs, mine, "it takes other parameters")
         values = {}
         for name in differ:
             binding = theirs[name]
             if not binding.value:
-                return self._other_test(
-                    mine, f"the parent's {name} cannot travel: {binding.unsent}"
-                )
+                why = f"the parent's {name} cannot travel: {binding.unsent}"
+                return self._other_test(item, theirs, mine, why)
             try:
                 values[name] = pickle.loads(binding.value)
             except Exception as exc:  # noqa: BLE001 - whatever a value's reducer raises
                 why = f"the parent's {name} does not unpickle here ({type(exc).__name__}: {exc})"
-                return self._other_test(mine, why)
+                return self._other_test(item, theirs, mine, why)
         if values:
             item.callspec.params.update(values)
         return ""
 
-    def _other_test(self, mine: dict[str, str], why: str) -> str:
-        theirs = {k: b.spelling for k, b in self.spec.params.items()}
+    def _other_test(
+        self, item: Any, bindings: dict[str, proto.Binding], mine: dict[str, str], why: str
+    ) -> str:
+        theirs = {k: b.spelling for k, b in bindings.items()}
         return (
-            f"node id {self.spec.nodeid!r} names another test in the child "
+            f"node id {item.nodeid!r} names another test in the child "
             f"(collected args: {' '.join(self.spec.args)}): the parent's binds "
             f"{proto.describe(theirs)}, the child's binds {proto.describe(mine)}, and {why}. "
             "Its parameters come from data that differs between interpreters (random "

@@ -337,7 +337,11 @@ class Job:
 
     def _send_go(self) -> None:
         assert self.child is not None
-        self.child.go(self.env_set, self.env_unset, self.item.nodeid if self.adopted else "")
+        if self.adopted:
+            nodeid, params = self.item.nodeid, proto.bindings(self.item)
+            self.child.go(self.env_set, self.env_unset, nodeid, params)
+        else:
+            self.child.go(self.env_set, self.env_unset)
         self.went = time.monotonic()
         self.state = State.RUNNING
         self._arm()

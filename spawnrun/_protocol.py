@@ -106,6 +106,8 @@ class Go:
     #: The test to run ("": the child's first, ``ChildSpec.nodeid``); a later one of its
     #: scope after a ``Done`` with ``more``.
     nodeid: str = ""
+    #: What the parent's test of that id binds (``ChildSpec.params``).
+    params: dict[str, Binding] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

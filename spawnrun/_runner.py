@@ -458,10 +458,16 @@ class ChildProcess:
             self.close_pipe()
         return out
 
-    def go(self, env_set: Mapping[str, str], env_unset: list[str], nodeid: str = "") -> None:
+    def go(
+        self,
+        env_set: Mapping[str, str],
+        env_unset: list[str],
+        nodeid: str = "",
+        params: Mapping[str, proto.Binding] | None = None,
+    ) -> None:
         if self.conn is not None:
             with contextlib.suppress(OSError):
-                self.conn.send(proto.Go(dict(env_set), list(env_unset), nodeid))
+                self.conn.send(proto.Go(dict(env_set), list(env_unset), nodeid, dict(params or {})))
 
     def stop(self) -> None:
         """No more tests for it (a scope's child): it tears down and ends."""

@@ -202,8 +202,14 @@ MODES = {
     "forkserver": ["--spawn-method", "forkserver"],
     # Two xdist workers, each spawning its tests' children.
     "xdist": ["-n", "2"],
+    # One child per module or class (fixtures shared within), in both start methods and
+    # under xdist (a module's tests spread over two workers: a child each).
+    "module": ["--spawn-scope", "module"],
+    "module-forkserver": ["--spawn-scope", "module", "--spawn-method", "forkserver"],
+    "class": ["--spawn-scope", "class"],
+    "module-xdist": ["--spawn-scope", "module", "-n", "2"],
 }
-MARKED = ("marker", "lookahead-2", "lookahead-0", "forkserver", "xdist")
+MARKED = ("marker", "lookahead-2", "lookahead-0", "forkserver", "xdist", *list(MODES)[7:])
 
 
 def _by_test(record):
