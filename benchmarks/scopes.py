@@ -1,8 +1,8 @@
 """Isolation per module against per test (issue 16's target), side by side in one run.
 
 Builds a suite of ``--modules`` modules x ``--tests`` tests in a temporary folder. Each
-module has a ``scope="module"`` fixture that builds a Llama of ~100M parameters
-(transformers' ``LlamaConfig``, random weights, no download) on the GPU (``--cpu``: a
+module imports transformers and has a ``scope="module"`` fixture that builds a Llama of
+~100M parameters (``LlamaConfig``, random weights, no download) on the GPU (``--cpu``: a
 small one on the CPU), and each test greedily generates ``--tokens`` tokens with it.
 Every test is ``@pytest.mark.gpu``; every fixture build appends a line to a file, so
 the builds are counted. Runs, in this order: plain pytest, ``pytest -n <modules>``
@@ -34,6 +34,7 @@ import os
 
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 DEVICE = "cpu" if os.environ.get("SCOPES_CPU") else "cuda"
 pytestmark = pytest.mark.gpu(count=0 if DEVICE == "cpu" else 1)
@@ -41,8 +42,6 @@ pytestmark = pytest.mark.gpu(count=0 if DEVICE == "cpu" else 1)
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     with open(os.environ["SCOPES_BUILDS"], "a") as f:
         f.write(f"{{os.getpid()}}\\n")
     torch.manual_seed(0)
