@@ -86,6 +86,12 @@ def main() -> None:
     parser.add_argument("--run-timeout", type=float, default=150, help="seconds per run")
     parser.add_argument("--test-scope-timeout", type=float, default=90, help="the capped run")
     parser.add_argument("--runs", nargs="*", help="only these labels")
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="runs keep pytest's cache in the suite's folder, after an untimed spawnrun run "
+        "(a later run of the suite: bytecode and the template's exclusions are there)",
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--logs", type=Path)
     o = parser.parse_args()
@@ -117,6 +123,9 @@ def main() -> None:
     print(f"{o.modules} modules x {o.tests} tests, {'CPU' if o.cpu else 'GPU'} Llama {config}")
     # Untimed: the first run of all pays for cold file caches.
     run(suite, [*OFF, "--co"], o.run_timeout, None)
+    if o.warm:
+        env = {**os.environ, "SCOPES_BUILDS": os.devnull, **({"SCOPES_CPU": "1"} if o.cpu else {})}
+        run(suite, [*FAST, "--spawn-scope", "module"], o.run_timeout, None, env=env, cache=True)
     for label, args, limit in runs:
         builds = root / f"builds-{len(results)}.txt"
         env = {**os.environ, "SCOPES_BUILDS": str(builds)}
@@ -128,7 +137,7 @@ def main() -> None:
             else None
         )
         began = time.time()
-        out = run(suite, args, limit, log, env=env)
+        out = run(suite, args, limit, log, env=env, cache=o.warm)
         count = len(builds.read_text().splitlines()) if builds.exists() else 0
         row = {
             "run": label,

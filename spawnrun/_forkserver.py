@@ -55,6 +55,10 @@ TRIMMED = (
     "spawnrun: the forkserver leaves {module} out of its template: importing it made the "
     "template unsafe to fork ({reason}); children import it themselves"
 )
+#: Where pytest's cache keeps what made a template unsafe, so the next run leaves it out
+#: from the start instead of building the template again without it.
+EXCLUDED_KEY = "spawnrun/template-excluded"
+REMEMBERED = " (an earlier run found this: `pytest --cache-clear` tries it again)"
 #: How many times a template is rebuilt without a package that made it unsafe.
 RETRIES = 3
 
@@ -263,10 +267,11 @@ class ZygoteHolder:
         self.rootdir = Path(config.rootpath).resolve()
         self.config = config
         self.base = _dedupe(["pytest", *self.preload])
+        self._remembered(config)
         self.optional = [
             m
             for m in plugin_modules(config, self.rootdir)
-            if m not in self.base and not _rewritten(config, m)
+            if m not in self.base and not _rewritten(config, m) and _top(m) not in self.excluded
         ]
         self.zygote = self._make(config, self.base)
         if self.zygote is not None and self.optional:
@@ -292,7 +297,7 @@ class ZygoteHolder:
         auto = [
             m
             for m in library_modules(self.rootdir)
-            if m not in known and not _rewritten(self.config, m)
+            if m not in known and not _rewritten(self.config, m) and _top(m) not in self.excluded
         ]
         self.optional += auto
         if auto:
@@ -328,10 +333,12 @@ class ZygoteHolder:
             culprit = ready.culprit
             if not culprit or culprit in base_tops:
                 break
-            self.excluded += [p for p in ready.suspects or [culprit] if p not in base_tops]
+            new = [p for p in ready.suspects or [culprit] if p not in base_tops]
+            self.excluded += new
             left_out = ", ".join(ready.suspects or [culprit])
             text = TRIMMED.format(module=left_out, reason=ready.problem)
             _reports.record_warning(config, _reports.warning(text), "")
+            self._remember(config, new, ready.problem)
             self.zygote.close()
             kept = [m for m in self.optional if _top(m) not in self.excluded]
             self.zygote = self._make(config, self.base + kept)
@@ -344,6 +351,32 @@ class ZygoteHolder:
         elif ready.problem:
             after = f" (after importing {ready.culprit})" if ready.culprit else ""
             self._turn_off(config, f"the template cannot fork safely: {ready.problem}{after}")
+
+    def _remembered(self, config: Any) -> None:
+        """Leave out what made an earlier run's template unsafe, and say so."""
+        cache = getattr(config, "cache", None)
+        found = cache.get(EXCLUDED_KEY, {}) if cache is not None else {}
+        if not isinstance(found, dict):
+            return
+        base_tops = {_top(m) for m in self.base}
+        by_reason: dict[str, list[str]] = {}
+        for top, reason in found.items():
+            if isinstance(top, str) and top not in base_tops and top not in self.excluded:
+                self.excluded.append(top)
+                by_reason.setdefault(str(reason), []).append(top)
+        for reason, tops in by_reason.items():
+            text = TRIMMED.format(module=", ".join(sorted(tops)), reason=reason) + REMEMBERED
+            _reports.record_warning(config, _reports.warning(text), "")
+
+    def _remember(self, config: Any, tops: list[str], reason: str) -> None:
+        cache = getattr(config, "cache", None)
+        if cache is None or not tops:
+            return
+        found = cache.get(EXCLUDED_KEY, {})
+        found = dict(found) if isinstance(found, dict) else {}
+        found.update({top: reason for top in tops})
+        with contextlib.suppress(Exception):  # a read-only cache: rebuild next time
+            cache.set(EXCLUDED_KEY, found)
 
     def _not_imported(self, config: Any) -> None:
         """Warn of each spawn_preload module the template could not import.

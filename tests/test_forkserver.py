@@ -284,3 +284,42 @@ def test_s_streams_a_forked_childs_output_live(pytester):
     result = _run_fast(pytester, "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*LIVE-FROM-THE-CHILD*"])
+
+
+def test_what_made_a_template_unsafe_is_left_out_from_the_start_next_time(pytester, monkeypatch):
+    # The first run builds the template, finds threadlib unsafe and builds it again
+    # without it; pytest's cache keeps that, so the next run's template never imports it.
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    libs.mkdir()
+    (libs / "threadlib.py").write_text(
+        "import os, threading, time\n"
+        "with open(os.environ['IMPORTERS'], 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    importers = pytester.path / "importers.txt"
+    monkeypatch.setenv("IMPORTERS", str(importers))
+    pytester.makepyfile(
+        test_libs="""
+        import threadlib
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_x(x):
+            pass
+        """
+    )
+    args = ["--spawn-method", "forkserver", "-W", "default"]
+    counts = []
+    for run in (1, 2):
+        importers.write_text("")
+        result = pytester.runpytest_subprocess(*args)
+        result.assert_outcomes(passed=2, warnings=1)
+        result.stdout.fnmatch_lines(["*forkserver leaves threadlib out of its template*"])
+        if run == 2:
+            result.stdout.fnmatch_lines(["*an earlier run found this*--cache-clear*"])
+        counts.append(len(set(importers.read_text().split())))
+    # The parent and both children each time; the first run's first template too.
+    assert counts == [4, 3]
