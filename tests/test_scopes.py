@@ -11,6 +11,9 @@ import textwrap
 
 import pytest
 
+from spawnrun import _poison
+from spawnrun._reports import REPLACED_TITLE
+
 RECORD = """
 import json, os
 
@@ -119,6 +122,7 @@ def test_a_broken_child_fails_only_its_test_and_the_module_goes_on_fresh(suite, 
     if death == "own poison":
         suite.makeini("[pytest]\nspawn_poison =\n    wedged$\n    never matched\n")
     result = suite.runpytest_subprocess("--spawn-method", method, "-p", "no:cacheprovider")
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
     rows = seen(suite)
     if death == "passes":
         result.assert_outcomes(passed=4)
@@ -134,7 +138,7 @@ def test_a_broken_child_fails_only_its_test_and_the_module_goes_on_fresh(suite, 
     result.stdout.fnmatch_lines(["*4 tests isolated in 2 children*"])
     if "poison" in death:
         result.stdout.fnmatch_lines(
-            ["*spawnrun: child replaced*", "child replaced: its call failed with*"]
+            [f"*{REPLACED_TITLE}*", "child replaced: its call failed with*"]
         )
         result.stdout.fnmatch_lines(["*1 child was replaced after a failure*"])
     else:
@@ -244,3 +248,36 @@ def test_default_scope_stays_one_child_per_test(suite):
     rows = seen(suite)
     assert len({rows[f"d{i}"]["pid"] for i in range(4)}) == 4
     assert [rows[f"d{i}"]["builds"] for i in range(4)] == [1, 1, 1, 1]
+
+
+def _report(outcome: str, longrepr: str, when: str = "call") -> pytest.TestReport:
+    return pytest.TestReport("t.py::t", ("t.py", 0, "t"), {}, outcome, longrepr, when)
+
+
+@pytest.mark.parametrize(
+    "reports, expected",
+    [
+        (
+            [_report("failed", "RuntimeError: CUDA error: device-side assert triggered")],
+            "device-side assert",
+        ),
+        ([_report("failed", "torch.OutOfMemoryError: CUDA out of memory")], ""),
+        (
+            [
+                _report("passed", None),
+                _report("failed", "x\nCUBLAS_STATUS_EXECUTION_FAILED when calling", "teardown"),
+            ],
+            "CUBLAS_STATUS_EXECUTION_FAILED",
+        ),
+        ([_report("skipped", ("f", 1, "illegal memory access"))], ""),  # only failures count
+    ],
+)
+def test_which_failures_break_the_process(reports, expected):
+    why = _poison.verdict(reports, _poison.patterns([]))
+    assert (expected in why) if expected else why == ""
+
+
+def test_own_patterns_match_per_line():
+    found = _poison.patterns(["^wedged$"])
+    assert _poison.verdict([_report("failed", "E  x\nwedged\ntail")], found)
+    assert not _poison.verdict([_report("failed", "not wedged here")], found)
