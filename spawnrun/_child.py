@@ -410,7 +410,9 @@ class _Relay:
         peaks = _probe.reserved_peaks()
         peak = sum(peaks) if peaks else None
         per_device = max(peaks) if peaks else None
-        self.send(proto.Done(self.notes, self._terminal_since(), peak, per_device, more=True))
+        held = _probe.allocated()
+        terminal = self._terminal_since()
+        self.send(proto.Done(self.notes, terminal, peak, per_device, more=True, held_bytes=held))
         self.notes = []
         _probe.reset_peaks()
         try:

@@ -154,11 +154,16 @@ class Job:
         capacity: Mapping[str, int | None] | None = None,
         then: list[str] | None = None,
         poison: list[re.Pattern[str]] | None = None,
+        replace_above: int | None = None,
     ) -> None:
         self.item = item
         #: The tests of its scope after this one (its child may run them after it).
         self.then = list(then or [])
         self.poison = poison or []
+        #: A scope's child holding more device memory than this after a test is replaced.
+        self.replace_above = replace_above
+        #: What torch still had allocated in the child after the test (scopes).
+        self.held_after: int | None = None
         #: Why its child was not handed to the scope's next test ("": it was, or none).
         self.replaced = ""
         #: Its child ran the scope's test before it (it booted nothing).
@@ -427,6 +432,7 @@ class Job:
         elif isinstance(msg, proto.Done):
             replay.terminal = msg.terminal
             self.peak_device_bytes = msg.peak_device_bytes
+            self.held_after = msg.held_bytes
             self._learn(msg.peak_per_device)
             if self.interrupted is None:
                 replay.complete(msg.notes)
@@ -529,6 +535,8 @@ class Job:
         assert child is not None
         if handover:
             self.replaced = _poison.verdict(self.replay.reports, self.poison)
+            if not self.replaced and self.replace_above is not None:
+                self.replaced = self._holds_too_much()
             if self.replaced:
                 text = (
                     f"child replaced: {self.replaced}; the scope's next test runs in a fresh child"
@@ -543,6 +551,19 @@ class Job:
             if handover:
                 child.stop()
             self._to(State.EXITING)
+
+    def _holds_too_much(self) -> str:
+        """Why the child holds too much device memory to go on ("" if it does not)."""
+        assert self.child is not None and self.replace_above is not None
+        held, how = self.held_after or 0, "torch has allocated"
+        pids = self.pids | set(_runner.group_members(self.child.pid))
+        listed = _devices.process_memory(self.claimed, pids) if self.claimed else None
+        if listed is not None and listed > held:
+            held, how = listed, "NVML lists for its processes"
+        if held <= self.replace_above:
+            return ""
+        limit = _packing.show(self.replace_above)
+        return f"after it {how} {_packing.show(held)}, more than spawn_scope_memory {limit}"
 
     def _pipe_ended(self, problem: str) -> None:
         """The child's pipe ended (or cannot be read on) before the test's end."""

@@ -72,6 +72,17 @@ def reserved_peaks() -> list[int] | None:
         return None
 
 
+def allocated() -> int | None:
+    """What torch has allocated on all this process's devices now (None: no CUDA)."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    try:
+        if cuda is None or not cuda.is_initialized():
+            return None
+        return sum(int(cuda.memory_allocated(i)) for i in range(cuda.device_count()))
+    except Exception:  # noqa: BLE001 - a figure is never worth a failure
+        return None
+
+
 def reset_peaks() -> None:
     """Start torch's peak figures afresh (the next test of a scope's child)."""
     cuda = getattr(sys.modules.get("torch"), "cuda", None)

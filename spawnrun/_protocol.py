@@ -177,6 +177,8 @@ class Done:
     peak_per_device: int | None = None
     #: The child waits for another test of its scope (a ``Go`` naming it, or ``Stop``).
     more: bool = False
+    #: With ``more``: what torch still has allocated on its devices after the test.
+    held_bytes: int | None = None
 
 
 @dataclass(frozen=True)

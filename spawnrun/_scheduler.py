@@ -56,6 +56,7 @@ from spawnrun._jobs import IN_SLOT
 from spawnrun._jobs import LISTENING
 from spawnrun._jobs import Job
 from spawnrun._jobs import State
+from spawnrun._reports import REPLACED_TITLE
 
 STOPPED = (
     "spawnrun: stopped while running, because the session stopped (-x, --maxfail or an interrupt)"
@@ -116,6 +117,8 @@ class Scheduler:
         self.scope_job: dict[str, Job] = {}
         #: Failures after which a scope's child is replaced (``_poison``).
         self.poison: list[re.Pattern[str]] = []
+        #: A scope's child holding more device memory than this after a test is replaced.
+        self.replace_above: int | None = None
         #: Scope children replaced after a test said the process is broken.
         self.replaced = 0
 
@@ -178,7 +181,16 @@ class Scheduler:
     def _job(self, item: pytest.Item, plan: _packing.Plan, devices: list[str]) -> Job:
         members = self.members.get(plan.scope, []) if plan.scope else []
         then = members[members.index(item.nodeid) + 1 :] if item.nodeid in members else []
-        return Job(item, plan, devices, self.settle, self.allocator.capacity, then, self.poison)
+        return Job(
+            item,
+            plan,
+            devices,
+            self.settle,
+            self.allocator.capacity,
+            then,
+            self.poison,
+            self.replace_above,
+        )
 
     def _dismiss_idle(self, keep: str = "") -> None:
         """Children waiting between tests of a scope other than ``keep`` get no more."""
@@ -548,7 +560,7 @@ class Scheduler:
         ends = []
         if self.replaced:
             were = "child was" if self.replaced == 1 else "children were"
-            ends.append(f"{self.replaced} {were} replaced after a failure that breaks the process")
+            ends.append(f"{self.replaced} scope {were} replaced after a test ({REPLACED_TITLE})")
         if self.crashes:
             ends.append(f"{self.crashes} crashed")
         if self.timeouts:

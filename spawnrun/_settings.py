@@ -453,6 +453,19 @@ SETTINGS: tuple[Setting, ...] = (
         "is replaced (besides the built-in sticky CUDA, cuBLAS and NCCL errors)",
     ),
     Setting(
+        name="scope_memory",
+        cli="--spawn-scope-memory",
+        ini="spawn_scope_memory",
+        env="SPAWNRUN_SCOPE_MEMORY",
+        marker_kwarg=None,
+        default=None,
+        parse=parse_memory,
+        help="A scope's child that still holds more device memory than this after a test "
+        "(torch's allocated memory, or NVML's figure for its processes) is replaced "
+        "(none: never)",
+        metavar="SIZE",
+    ),
+    Setting(
         name="pycache",
         cli="--spawn-pycache",
         ini="spawn_pycache",
@@ -536,6 +549,7 @@ class Settings:
     scope: str = "test"
     group: str | None = None
     poison: tuple[str, ...] = ()
+    scope_memory: int | None = None
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""
     #: Whether ``@pytest.mark.forked`` spawns (pytest-forked is not there to own it).

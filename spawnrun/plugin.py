@@ -139,6 +139,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     scheduler.status = _status.Status(config, several=limit > 1)
     scheduler.poison = _poison.patterns(settings.poison)
+    scheduler.replace_above = settings.scope_memory
     config.pluginmanager.register(_Spawns(), "spawnrun-spawns")
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()

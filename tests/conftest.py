@@ -78,6 +78,7 @@ FAKE_TORCH = {
         "def device_count():\n    return 1\n"
         "def memory_reserved(i):\n    return 3 * 2**20\n"
         "def max_memory_reserved(i):\n    return 5 * 2**20\n"
+        "def memory_allocated(i):\n    import os\n    return int(os.environ.get('FAKE_HELD', 0))\n"
         "def zeros(n):\n    _lazy_init()\n    return [0] * n\n"
     ),
 }

@@ -140,7 +140,9 @@ def test_a_broken_child_fails_only_its_test_and_the_module_goes_on_fresh(suite, 
         result.stdout.fnmatch_lines(
             [f"*{REPLACED_TITLE}*", "child replaced: its call failed with*"]
         )
-        result.stdout.fnmatch_lines(["*1 child was replaced after a failure*"])
+        result.stdout.fnmatch_lines(
+            [f"*1 scope child was replaced after a test ({REPLACED_TITLE})*"]
+        )
     else:
         result.stdout.no_fnmatch_line("*child replaced*")
 
@@ -281,3 +283,37 @@ def test_own_patterns_match_per_line():
     found = _poison.patterns(["^wedged$"])
     assert _poison.verdict([_report("failed", "E  x\nwedged\ntail")], found)
     assert not _poison.verdict([_report("failed", "not wedged here")], found)
+
+
+@pytest.mark.parametrize("held, replaced", [("3221225472", True), ("1024", False)])
+def test_a_child_that_keeps_too_much_device_memory_is_replaced(suite, fake_torch, held, replaced):
+    # torch (a stand-in) still has memory allocated after the first test: past
+    # --spawn-scope-memory, the scope's next test gets a fresh child.
+    suite.makepyfile(
+        test_held=f"""
+        import os
+        import pytest
+        import torch
+        from record import record
+
+        pytestmark = pytest.mark.gpu(count=0, scope="module")
+
+        def test_keeps():
+            torch.cuda.zeros(1)
+            os.environ["FAKE_HELD"] = "{held}"
+            record("keeps")
+
+        def test_next():
+            record("next")
+        """
+    )
+    result = suite.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-scope-memory", "1GiB")
+    result.assert_outcomes(passed=2)
+    rows = seen(suite)
+    assert (rows["keeps"]["pid"] != rows["next"]["pid"]) is replaced
+    if replaced:
+        result.stdout.fnmatch_lines(
+            [f"*1 scope child was replaced after a test ({REPLACED_TITLE})*"]
+        )
+    else:
+        result.stdout.no_fnmatch_line(f"*{REPLACED_TITLE}*")
