@@ -81,7 +81,10 @@ def test_project_gpu_marker_with_another_spawn_marker(pytester):
     result.stdout.no_fnmatch_line(NO_INTERNAL)
     markers = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--markers").stdout
     markers.fnmatch_lines(
-        ["@pytest.mark.isolated(count=1, memory=None, exclusive=False, timeout=None): run*"]
+        [
+            "@pytest.mark.isolated(count=1, memory=None, exclusive=False, timeout=None, "
+            "scope='test', group=None): run*"
+        ]
     )
     markers.no_fnmatch_line("*gpu(count=*")
 
