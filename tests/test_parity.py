@@ -243,8 +243,12 @@ def test_outcomes_match_plain_run(inner, pytester, monkeypatch, mode):
     assert result.parseoutcomes() == counts
     if mode == "no-spawn":
         return
-    # Messages, not just outcomes: introspection, sections, warnings, properties.
-    result.stdout.fnmatch_lines(
+    # Messages, not just outcomes: introspection, sections, warnings, properties. Under
+    # xdist two workers report in either order: each message alone.
+    match = result.stdout.fnmatch_lines
+    if "xdist" in mode:
+        match = _each_line(result)
+    match(
         [
             "*spawnrun: * run in a fresh * child*",
             "*RuntimeError: setup exploded*",
@@ -263,6 +267,14 @@ def test_outcomes_match_plain_run(inner, pytester, monkeypatch, mode):
         ]
     )
     assert _reports.DIED not in result.stdout.str()
+
+
+def _each_line(result):
+    def match(lines):
+        for line in lines:
+            result.stdout.fnmatch_lines([line])
+
+    return match
 
 
 def test_junitxml_has_every_test(inner, pytester, monkeypatch):
