@@ -31,6 +31,7 @@ from types import ModuleType
 from typing import Any
 
 from spawnrun import _probe
+from spawnrun._packing import show
 
 BUDGET_ENV = "SPAWNRUN_GPU_BUDGET"
 #: A lock file per device that children sharing it take while they create contexts.
@@ -159,17 +160,11 @@ def out_of_memory_note(excinfo: Any) -> str:
     peak = max(peaks) if peaks else None
     source = os.environ.get(SOURCE_ENV, "")
     lines = [
-        f"this test ran with a GPU memory budget of {_show(cap)} per device"
+        f"this test ran with a GPU memory budget of {show(cap)} per device"
         + (f" ({source})" if source else "")
         + ", enforced as torch's per-process memory fraction",
         "its peak: "
-        + (f"{_show(peak)} reserved by torch" if peak is not None else "unknown (no torch)"),
+        + (f"{show(peak)} reserved by torch" if peak is not None else "unknown (no torch)"),
         "declare a larger budget (memory=...), or exclusive=True to run it alone",
     ]
     return "\n".join(lines)
-
-
-def _show(size: int) -> str:
-    if size >= 2**30:
-        return f"{size / 2**30:.1f} GiB"
-    return f"{size / 2**20:.0f} MiB"

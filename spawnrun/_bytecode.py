@@ -4,7 +4,7 @@ Runs in both processes; imports nothing but the standard library, since a child 
 before anything else. Container images commonly set ``PYTHONDONTWRITEBYTECODE=1`` over a
 site-packages that has no ``__pycache__``: a fresh interpreter then compiles the Python
 source of torch, pytest and every plugin again, in every child (on the H200 image
-``import torch`` takes 4.3 s so, 2.3 s from compiled bytecode). In-process pytest pays
+``import torch`` takes 4.3 s that way and 2.3 s from compiled bytecode). In-process pytest pays
 that once; a spawn child pays it per test.
 
 With ``spawn_pycache = auto`` (the default) and bytecode writing off in the parent

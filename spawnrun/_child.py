@@ -316,9 +316,7 @@ class _Relay:
         try:
             if not self.done:
                 self.done = True
-                peaks = _probe.reserved_peaks()
-                peak = sum(peaks) if peaks else None
-                per_device = max(peaks) if peaks else None
+                peak, per_device = _peaks()
                 # The test is over: give the device back before the session's end, so
                 # the next test on it waits only for memory that is really still held.
                 _probe.release_devices()
@@ -366,11 +364,7 @@ class _Relay:
         # test on this device waits for this process to be gone.
         gc.freeze()
         self._mark_terminal()
-        # The parent's environment as it is at this test's turn (its devices were set
-        # before this process started and are not part of it).
-        for name in go.env_unset:
-            os.environ.pop(name, None)
-        os.environ.update(go.env_set)
+        _take_environment(go)
         _stackhook.install(os.path.dirname(self.spec.stacks_path))  # a new PYTHONPATH, say
         if self.spec.executions:
             _continue_reruns(item, self.spec.executions)
@@ -412,9 +406,7 @@ class _Relay:
 
     def _next_test(self, by_id: dict[str, Any]) -> Any:
         """Say this test is done, and wait for the next one of the scope (None: stop)."""
-        peaks = _probe.reserved_peaks()
-        peak = sum(peaks) if peaks else None
-        per_device = max(peaks) if peaks else None
+        peak, per_device = _peaks()
         held = _probe.allocated()
         terminal = self._terminal_since()
         self.send(proto.Done(self.notes, terminal, peak, per_device, more=True, held_bytes=held))
@@ -431,9 +423,7 @@ class _Relay:
         if problem:
             self.send(proto.Booted(os.getpid(), False, problem))
             return None
-        for name in go.env_unset:
-            os.environ.pop(name, None)
-        os.environ.update(go.env_set)
+        _take_environment(go)
         self.current = go.nodeid
         return item
 
@@ -640,6 +630,20 @@ class _Relay:
             lines.append("the child collected no tests")
         lines += self.collect_errors
         return "\n".join(lines)
+
+
+def _peaks() -> tuple[int | None, int | None]:
+    """torch's reserved peak on all the test's devices together, and on its fullest one."""
+    peaks = _probe.reserved_peaks()
+    return (sum(peaks), max(peaks)) if peaks else (None, None)
+
+
+def _take_environment(go: proto.Go) -> None:
+    """The parent's environment as it is at this test's turn (its devices were set
+    before this process started and are not part of it)."""
+    for name in go.env_unset:
+        os.environ.pop(name, None)
+    os.environ.update(go.env_set)
 
 
 def _keyboard_interrupt(exc: KeyboardInterrupt) -> proto.Interrupted:

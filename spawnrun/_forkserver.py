@@ -354,10 +354,7 @@ class ZygoteHolder:
 
     def _remembered(self, config: Any) -> None:
         """Leave out what made an earlier run's template unsafe, and say so."""
-        cache = getattr(config, "cache", None)
-        found = cache.get(EXCLUDED_KEY, {}) if cache is not None else {}
-        if not isinstance(found, dict):
-            return
+        found = _remembered_exclusions(config)
         base_tops = {_top(m) for m in self.base}
         by_reason: dict[str, list[str]] = {}
         for top, reason in found.items():
@@ -372,8 +369,7 @@ class ZygoteHolder:
         cache = getattr(config, "cache", None)
         if cache is None or not tops:
             return
-        found = cache.get(EXCLUDED_KEY, {})
-        found = dict(found) if isinstance(found, dict) else {}
+        found = _remembered_exclusions(config)
         found.update({top: reason for top in tops})
         with contextlib.suppress(Exception):  # a read-only cache: rebuild next time
             cache.set(EXCLUDED_KEY, found)
@@ -425,6 +421,13 @@ def _top(module: str) -> str:
 
 def _dedupe(names: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
+
+
+def _remembered_exclusions(config: Any) -> dict[str, Any]:
+    """What earlier runs found unsafe in a template, by top-level package ({}: nothing)."""
+    cache = getattr(config, "cache", None)
+    found = cache.get(EXCLUDED_KEY, {}) if cache is not None else {}
+    return dict(found) if isinstance(found, dict) else {}
 
 
 def plugin_modules(config: Any, rootdir: Path) -> list[str]:

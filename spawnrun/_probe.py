@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import sys
+from typing import Any
 
 #: prctl's option: the signal this process gets when its parent ends (Linux).
 _PR_SET_PDEATHSIG = 1
@@ -54,6 +55,29 @@ def device_runtime() -> str:
     return ""
 
 
+def _torch_cuda() -> Any:
+    """``torch.cuda`` if this process imported torch and initialized CUDA, else None.
+
+    Never imports torch or initializes anything.
+    """
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    try:
+        return cuda if cuda is not None and cuda.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a torch that cannot tell is not in use here
+        return None
+
+
+def _each_device(name: str) -> list[Any] | None:
+    """``torch.cuda.<name>(i)`` for each device of this process (None: no CUDA in use)."""
+    cuda = _torch_cuda()
+    if cuda is None:
+        return None
+    try:
+        return [getattr(cuda, name)(i) for i in range(cuda.device_count())]
+    except Exception:  # noqa: BLE001 - a figure is never worth a failure
+        return None
+
+
 def reserved_peaks() -> list[int] | None:
     """torch's peak reserved memory on each device of this process, in bytes.
 
@@ -61,35 +85,19 @@ def reserved_peaks() -> list[int] | None:
     and initialized CUDA. The figures are torch's caching allocator's (reserved memory),
     without the CUDA context.
     """
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
-    if cuda is None:
-        return None
-    try:
-        if not cuda.is_initialized():
-            return None
-        return [int(cuda.max_memory_reserved(i)) for i in range(cuda.device_count())]
-    except Exception:  # noqa: BLE001 - a figure is never worth a failure
-        return None
+    peaks = _each_device("max_memory_reserved")
+    return None if peaks is None else [int(p) for p in peaks]
 
 
 def allocated() -> int | None:
     """What torch has allocated on all this process's devices now (None: no CUDA)."""
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
-    try:
-        if cuda is None or not cuda.is_initialized():
-            return None
-        return sum(int(cuda.memory_allocated(i)) for i in range(cuda.device_count()))
-    except Exception:  # noqa: BLE001 - a figure is never worth a failure
-        return None
+    sizes = _each_device("memory_allocated")
+    return None if sizes is None else sum(int(s) for s in sizes)
 
 
 def reset_peaks() -> None:
     """Start torch's peak figures afresh (the next test of a scope's child)."""
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
-    with contextlib.suppress(Exception):
-        if cuda is not None and cuda.is_initialized():
-            for i in range(cuda.device_count()):
-                cuda.reset_peak_memory_stats(i)
+    _each_device("reset_peak_memory_stats")
 
 
 def release_devices() -> None:
@@ -102,12 +110,11 @@ def release_devices() -> None:
     loads or initializes a driver. What the session's end might still do with CUDA
     fails there, after the test's reports.
     """
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    cuda = _torch_cuda()
     if cuda is not None:
         with contextlib.suppress(Exception):
-            if cuda.is_initialized():
-                cuda.synchronize()
-                cuda.empty_cache()
+            cuda.synchronize()
+            cuda.empty_cache()
     for lib in _mapped_cuda():
         with contextlib.suppress(Exception):
             _reset_primary_contexts(lib)
