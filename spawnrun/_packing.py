@@ -196,6 +196,8 @@ class Plan:
     every: bool = False
     #: Where its budget came from ("memory='2GiB'", "learned: peak 1.2 GiB").
     budget_source: str = ""
+    #: Its need is what earlier runs measured (``--spawn-pack auto``), not declared.
+    learned: bool = False
     #: The scope whose tests share one child ("module test_x.py", "group llm"; "": a
     #: child of its own).
     scope: str = ""

@@ -294,17 +294,9 @@ def _scopes(
             if key:
                 members.setdefault(key, []).append(item)
     for key, tests in members.items():
-        first = tests[0].stash[PLAN_KEY]
-        for other in tests[1:]:
-            plan = other.stash[PLAN_KEY]
-            if (plan.count, plan.need, plan.every) != (first.count, first.need, first.every):
-                raise pytest.UsageError(
-                    f"{tests[0].nodeid} and {other.nodeid} share a child ({key}) but need "
-                    f"different devices or budgets ({_needs(first)} against {_needs(plan)}): "
-                    "give them the same count= and memory=, or different scopes"
-                )
+        shared = _scope_plan(key, tests)
         for item in tests:
-            item.stash[PLAN_KEY] = replace(item.stash[PLAN_KEY], scope=key)
+            item.stash[PLAN_KEY] = replace(shared, timeout=item.stash[PLAN_KEY].timeout)
     config.stash[SCHEDULER_KEY].members = {k: [t.nodeid for t in v] for k, v in members.items()}
     groups = {k: v for k, v in members.items() if k.startswith("group ")}
     if not groups:
@@ -318,6 +310,37 @@ def _scopes(
         elif groups[key][0] is item:
             ordered += groups[key]
     return ordered
+
+
+def _scope_plan(key: str, tests: list[pytest.Item]) -> _packing.Plan:
+    """The devices and budget one child holds for all the tests of its scope.
+
+    Declared needs must agree: a usage error names two tests that differ. Budgets the
+    run learned (``--spawn-pack auto``) differ from test to test by nature: the child
+    gets the largest, or runs alone while any of its tests has no peak recorded yet.
+    Each test keeps its own timeout.
+    """
+    plans = [t.stash[PLAN_KEY] for t in tests]
+    first = plans[0]
+    for other, plan in zip(tests[1:], plans[1:]):
+        same = (plan.count, plan.every) == (first.count, first.every)
+        if same and (plan.need == first.need or (plan.learned and first.learned)):
+            continue
+        raise pytest.UsageError(
+            f"{tests[0].nodeid} and {other.nodeid} share a child ({key}) but need "
+            f"different devices or budgets ({_needs(first)} against {_needs(plan)}): "
+            "give them the same count= and memory=, or different scopes"
+        )
+    chosen = first
+    if any(p.need != first.need for p in plans):
+        alone = [p for p in plans if p.need is _packing.ALONE]
+        chosen = alone[0] if alone else max(plans, key=lambda p: p.need or 0)
+        if alone:
+            why = f"a test of its scope runs alone ({alone[0].alone_because})"
+            chosen = replace(chosen, alone_because=why, budget_source="")
+        else:
+            chosen = replace(chosen, budget_source=f"{chosen.budget_source}, its scope's largest")
+    return replace(chosen, scope=key)
 
 
 def _needs(plan: _packing.Plan) -> str:
@@ -399,13 +422,13 @@ def _plan(
         return alone
     peak = learned.get(item.nodeid)
     if peak is None:
-        return replace(alone, alone_because="no peak recorded yet")
+        return replace(alone, alone_because="no peak recorded yet", learned=True)
     known = [c for c in capacity.values() if c is not None]
     need, why = _packing.learned_need(peak, min(known) if known else None)
     if need is _packing.ALONE:
-        return replace(alone, alone_because=why)
+        return replace(alone, alone_because=why, learned=True)
     source = f"learned: peak {_packing.show(peak)}"
-    return replace(alone, need=need, alone_because="", budget_source=source)
+    return replace(alone, need=need, alone_because="", budget_source=source, learned=True)
 
 
 def _marker_memory(item: pytest.Item, settings: _settings.Settings) -> object:

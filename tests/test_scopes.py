@@ -231,6 +231,30 @@ def test_bad_scopes_are_usage_errors_naming_their_source(pytester, text, message
     result.stderr.fnmatch_lines([message])
 
 
+def test_budgets_learned_for_a_scope_take_its_largest_or_run_alone(suite):
+    # Peaks an earlier run recorded differ from test to test (the first one builds the
+    # fixture): a scope's child gets the largest, or runs alone while one is missing.
+    budget = 'record(f"{__name__} {i}", int(os.environ.get("SPAWNRUN_GPU_BUDGET", "0")))'
+    for name in ("full", "partial"):
+        text = MODULE.format(name=name, mark='pytestmark = pytest.mark.gpu(scope="module")', second="pass")
+        text = text.replace('record(f"' + name + '{i}", len(BUILDS))', budget)
+        suite.makepyfile(**{f"test_{name}": textwrap.dedent(text)})
+    gib = 2**30
+    peaks = {f"test_full.py::test_full[{i}]": (i + 1) * gib for i in range(4)}
+    peaks |= {f"test_partial.py::test_partial[{i}]": gib for i in range(3)}
+    cache = suite.path / ".pytest_cache" / "v" / "spawnrun"
+    cache.mkdir(parents=True)
+    (cache / "peaks").write_text(json.dumps(peaks))
+    args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-pack", "auto"]
+    result = suite.runpytest_subprocess("--spawn-scope", "module", *args)
+    result.assert_outcomes(passed=8)
+    rows = seen(suite)
+    full = {rows[f"test_full {i}"]["builds"] for i in range(4)}
+    partial = {rows[f"test_partial {i}"]["builds"] for i in range(4)}
+    assert len(full) == 1 and full.pop() > 4 * gib  # the largest peak, and a margin
+    assert partial == {0}  # alone: its last test has no peak recorded yet
+
+
 def test_under_xdist_loadfile_a_module_shares_its_workers_child(suite):
     pytest.importorskip("xdist")
     mark = 'pytestmark = pytest.mark.gpu(count=0, scope="module")'
