@@ -7,6 +7,7 @@ code lives in ``_runner``, ``_jobs`` and ``_scheduler``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import faulthandler
 import os
@@ -50,6 +51,7 @@ PEAKS_KEY = pytest.StashKey[dict[str, int]]()
 CACHE_PEAKS = "spawnrun/peaks"
 #: Node id -> position in session.items, to find the tests after the current one.
 INDEX_KEY = pytest.StashKey[dict[str, int]]()
+STARTERS_KEY = pytest.StashKey[list[tuple[int, pytest.Item]]]()
 #: Whether the run was told that /proc is missing (once).
 NO_PROC_KEY = pytest.StashKey[bool]()
 
@@ -543,21 +545,46 @@ def _plan_of(item: pytest.Item) -> _packing.Plan:
 def _upcoming(
     item: pytest.Item, nextitem: pytest.Item | None, scheduler: _scheduler.Scheduler
 ) -> list[tuple[pytest.Item, _packing.Plan]]:
-    """The next spawned tests after ``item``, with their plans: to boot ahead."""
+    """The next tests after ``item`` that start a child, with their plans: to boot ahead.
+
+    A scope's later tests run in its first test's child: they are passed over, so the
+    next scope's child boots while a long scope still runs, not at its last test.
+    """
     if not scheduler.lookahead or nextitem is None:
         return []
     session = item.session
     if _xdist_worker():
         # A worker's order is the controller's to decide: only nextitem is known.
-        candidates = [nextitem]
+        candidates = [nextitem] if _spawns(nextitem) else []
     else:
-        index = session.config.stash.get(INDEX_KEY, None)
-        if index is None:
-            index = {it.nodeid: i for i, it in enumerate(session.items)}
-            session.config.stash[INDEX_KEY] = index
-        start = index.get(nextitem.nodeid, len(session.items))
-        candidates = session.items[start : start + 4 * scheduler.lookahead]
-    return [(it, _plan_of(it)) for it in candidates if _spawns(it)]
+        starters = session.config.stash.get(STARTERS_KEY, None)
+        if starters is None:
+            starters = session.config.stash[STARTERS_KEY] = _starters(session, scheduler)
+        at = bisect.bisect_left(starters, _index(session, nextitem), key=lambda s: s[0])
+        candidates = [it for _, it in starters[at : at + scheduler.lookahead]]
+    return [(it, _plan_of(it)) for it in candidates]
+
+
+def _index(session: pytest.Session, item: pytest.Item) -> int:
+    index = session.config.stash.get(INDEX_KEY, None)
+    if index is None:
+        index = {it.nodeid: i for i, it in enumerate(session.items)}
+        session.config.stash[INDEX_KEY] = index
+    return index.get(item.nodeid, len(session.items))
+
+
+def _starters(
+    session: pytest.Session, scheduler: _scheduler.Scheduler
+) -> list[tuple[int, pytest.Item]]:
+    """The spawned tests that start a child (alone, or first of a scope), by position."""
+    found = []
+    for i, it in enumerate(session.items):
+        if not _spawns(it):
+            continue
+        scope = _plan_of(it).scope
+        if not scope or scheduler.members.get(scope, [it.nodeid])[0] == it.nodeid:
+            found.append((i, it))
+    return found
 
 
 class _AfterEachTest:

@@ -170,7 +170,8 @@ def test_a_group_joins_tests_of_two_modules_into_one_child(suite):
             record("second")
         """,
     )
-    result = suite.runpytest_subprocess("-v", "-p", "no:cacheprovider")
+    # One test at a time: otherwise test_between, booted ahead, may well end first.
+    result = suite.runpytest_subprocess("-v", "-p", "no:cacheprovider", "--spawn-jobs", "1")
     result.assert_outcomes(passed=3)
     rows = seen(suite)
     assert rows["first"]["pid"] == rows["second"]["pid"] != rows["between"]["pid"]
@@ -236,7 +237,9 @@ def test_budgets_learned_for_a_scope_take_its_largest_or_run_alone(suite):
     # fixture): a scope's child gets the largest, or runs alone while one is missing.
     budget = 'record(f"{__name__} {i}", int(os.environ.get("SPAWNRUN_GPU_BUDGET", "0")))'
     for name in ("full", "partial"):
-        text = MODULE.format(name=name, mark='pytestmark = pytest.mark.gpu(scope="module")', second="pass")
+        text = MODULE.format(
+            name=name, mark='pytestmark = pytest.mark.gpu(scope="module")', second="pass"
+        )
         text = text.replace('record(f"' + name + '{i}", len(BUILDS))', budget)
         suite.makepyfile(**{f"test_{name}": textwrap.dedent(text)})
     gib = 2**30
@@ -253,6 +256,31 @@ def test_budgets_learned_for_a_scope_take_its_largest_or_run_alone(suite):
     partial = {rows[f"test_partial {i}"]["builds"] for i in range(4)}
     assert len(full) == 1 and full.pop() > 4 * gib  # the largest peak, and a margin
     assert partial == {0}  # alone: its last test has no peak recorded yet
+
+
+def test_the_next_scopes_child_boots_while_a_long_scope_runs(suite):
+    # One child booted ahead: the next module's, not a test of the running module
+    # (those run in its child), so it imports its module while the first one runs.
+    body = """
+        import time
+        import pytest
+        from record import record
+
+        pytestmark = pytest.mark.gpu(count=0, scope="module")
+        record("{name} imported", int(time.time() * 1000))
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_it(i):
+            record(f"{name}{{i}}", int(time.time() * 1000))
+            time.sleep(0.3)
+        """
+    for name in ("a", "b"):
+        suite.makepyfile(**{f"test_{name}": textwrap.dedent(body.format(name=name))})
+    args = ["--spawn-jobs", "1", "--spawn-lookahead", "1", "-p", "no:cacheprovider"]
+    suite.runpytest_subprocess(*args).assert_outcomes(passed=8)
+    rows = seen(suite)
+    assert rows["b imported"]["pid"] == rows["b0"]["pid"] != rows["a0"]["pid"]
+    assert rows["b imported"]["builds"] < rows["a2"]["builds"]  # booted by a's third test
 
 
 def test_under_xdist_loadfile_a_module_shares_its_workers_child(suite):
