@@ -324,7 +324,7 @@ def _scope_plan(key: str, tests: list[pytest.Item]) -> _packing.Plan:
     """
     plans = [t.stash[PLAN_KEY] for t in tests]
     first = plans[0]
-    for other, plan in zip(tests[1:], plans[1:]):
+    for other, plan in zip(tests[1:], plans[1:], strict=True):
         same = (plan.count, plan.every) == (first.count, first.every)
         if same and (plan.need == first.need or (plan.learned and first.learned)):
             continue
