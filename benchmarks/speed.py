@@ -16,6 +16,9 @@ Modes (``--modes``; plain and pytest-forked always run, ``--modes all`` runs eve
                                lookahead (booting ahead on)
     spawnrun fast              ``--spawn-gpu --spawn-method forkserver --spawn-preload torch``
     spawnrun fast-nopreload    ``--spawn-gpu --spawn-method forkserver`` (not default)
+    spawnrun default, scope module / spawnrun fast, scope module
+                               the same with ``--spawn-scope module`` (not default): one
+                               child per file, so give ``--per-file`` more than 1
     spawnrun spawn             pinned: one child at a time, nothing booted ahead (not default)
     spawnrun spawn+lookahead   pinned: one child at a time, one booted ahead (not default)
     spawnrun forkserver        pinned: one child at a time, forkserver + torch (not default)
@@ -197,13 +200,28 @@ MODES: dict[str, list[str]] = {
         "torch",
     ],
     "spawnrun fast-nopreload": ["--spawn-gpu", "--spawn-method", "forkserver"],
+    "spawnrun default, scope module": ["--spawn-gpu", "--spawn-scope", "module"],
+    "spawnrun fast, scope module": [
+        "--spawn-gpu",
+        "--spawn-method",
+        "forkserver",
+        "--spawn-preload",
+        "torch",
+        "--spawn-scope",
+        "module",
+    ],
     "spawnrun spawn": [*PINNED, "--spawn-lookahead", "0"],
     "spawnrun spawn+lookahead": [*PINNED, "--spawn-lookahead", "1"],
     "spawnrun forkserver": [*PINNED, "--spawn-method", "forkserver", "--spawn-preload", "torch"],
 }
 ALWAYS = ["plain", "pytest-forked"]
 DEFAULT_MODES = [*ALWAYS, "spawnrun default", "spawnrun fast"]
-FAST_MODES = ("spawnrun fast", "spawnrun fast-nopreload", "spawnrun forkserver")
+FAST_MODES = (
+    "spawnrun fast",
+    "spawnrun fast-nopreload",
+    "spawnrun forkserver",
+    "spawnrun fast, scope module",
+)
 
 
 @dataclass(frozen=True)
@@ -262,6 +280,14 @@ TARGETS = [
         "trivial",
         "pytest-forked",
     ),
+    Target(
+        "(16) CPU: fast mode with scope module vs pytest-forked, trivial (--per-file > 1)",
+        "trivial",
+        "spawnrun fast, scope module",
+        1.5,
+        "trivial",
+        "pytest-forked",
+    ),
 ]
 
 FLOOR = """
@@ -273,7 +299,7 @@ print(time.perf_counter() - t)
 """
 
 
-def make_suite(root: Path, name: str, n: int) -> Path:
+def make_suite(root: Path, name: str, n: int, per_file: int = 1) -> Path:
     suite = SUITES[name]
     folder = root / name.replace(".", "_")
     folder.mkdir()
@@ -281,8 +307,10 @@ def make_suite(root: Path, name: str, n: int) -> Path:
     (folder / "conftest.py").write_text(suite.conftest)
     if suite.fakedevice:
         shutil.copy(FAKEDEVICE, folder / "fakedevice.py")
-    for i in range(n):
-        (folder / f"test_{i:03d}.py").write_text(suite.test.format(i=i))
+    for first in range(0, n, per_file):
+        tests = range(first, min(n, first + per_file))
+        text = "".join(suite.test.format(i=i) for i in tests)
+        (folder / f"test_{first:03d}.py").write_text(text)
     return folder
 
 
@@ -460,6 +488,9 @@ def script_parser(doc: str) -> argparse.ArgumentParser:
 def main() -> None:
     parser = script_parser(__doc__)
     parser.add_argument("-n", type=int, default=20, help="tests per suite (default 20)")
+    parser.add_argument(
+        "--per-file", type=int, default=1, help="tests per file (default 1; scope module: >1)"
+    )
     parser.add_argument("-r", "--repeat", type=int, default=3, help="repetitions (default 3)")
     parser.add_argument("--gpu", action="store_true", help="also the CUDA suites")
     parser.add_argument("--suites", nargs="*", choices=list(SUITES), help="only these suites")
@@ -521,7 +552,7 @@ def main() -> None:
                 f"CUDA-context floor (first CUDA op in a fresh process that imported torch): "
                 f"{floor * 1000:.0f} ms"
             )
-        folders = {name: make_suite(root, name, opts.n) for name in names}
+        folders = {name: make_suite(root, name, opts.n, opts.per_file) for name in names}
         # Untimed: the first run of all pays for cold file caches (torch, pytest).
         run(folders[names[0]], MODES["plain"], opts.run_timeout, None)
         rounds = 0

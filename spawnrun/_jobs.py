@@ -26,6 +26,7 @@ device memory are deadlines in the loop, off the test's critical path.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import pickle
@@ -155,8 +156,15 @@ class Job:
         then: list[str] | None = None,
         poison: list[re.Pattern[str]] | None = None,
         replace_above: int | None = None,
+        refusals: dict[str, str] | None = None,
     ) -> None:
         self.item = item
+        #: Templates that may not fork (their scope -> why), shared by the run's jobs.
+        self.refusals = refusals if refusals is not None else {}
+        #: Its child is a template, which runs its test in a fork: the template's pid,
+        #: and the fork's once its "done" names it.
+        self.template_pid = 0
+        self.forked_pid = 0
         #: The tests of its scope after this one (its child may run them after it).
         self.then = list(then or [])
         self.poison = poison or []
@@ -268,7 +276,9 @@ class Job:
         """
         self.environ = dict(os.environ)
         try:
-            child = _start(self.item, self.candidates[0], self.env(), self.executions, self.then)
+            template = self.plan.scope.startswith(_packing.TEMPLATE_SCOPE)
+            args = self.candidates[0]
+            child = _start(self.item, args, self.env(), self.executions, self.then, template)
         except Exception as exc:  # noqa: BLE001 - the test's failure, never the run's end
             self.child = None
             if self.turned:
@@ -278,6 +288,9 @@ class Job:
                 self.state, self.deadline = State.FINISHED, None
             return
         self.candidates.pop(0)
+        if template and not child.spec.fork_each:
+            self.refusals.setdefault(self.plan.scope, "")  # told by the forkserver's warning
+        self.template_pid = child.pid if child.spec.fork_each else 0
         self.child = child
         self.children_started += 1
         self.pids.add(self.child.pid)
@@ -321,6 +334,7 @@ class Job:
         assert self.child is not None
         self.adopted = True
         self.pids = set(donor.pids)
+        self.template_pid = donor.template_pid
         self.devices, self.claimed = donor.devices, donor.claimed
         self.held, donor.held = donor.held, []
         self.token = donor.token
@@ -386,10 +400,17 @@ class Job:
         if isinstance(msg, proto.SuiteProperty):
             _replay.suite_property(self.item.config, msg.name, msg.value)
             return
+        if isinstance(msg, proto.ForkedTest):  # its template forked the process to run it
+            self.forked_pid = msg.pid
+            self.pids.add(msg.pid)  # its device memory is waited for like the child's
+            return
         if self.state not in LISTENING:
             return  # e.g. a report after a timeout's kill: the test is already judged
         replay = self.replay
         if isinstance(msg, proto.Booted) and msg.found:
+            if msg.not_a_template:
+                self.refusals[self.plan.scope] = msg.not_a_template
+                self.template_pid = 0  # it runs its test itself
             self.boot_seconds = time.monotonic() - self.started
             if self.state is State.BOOTING:
                 self._send_go()
@@ -533,7 +554,7 @@ class Job:
             self.replay.properties.append(("spawnrun_peak_gpu_mib", mib))
         child = self.child
         assert child is not None
-        if handover:
+        if handover and not self.template_pid:  # a fork leaves its template as it was
             self.replaced = _poison.verdict(self.replay.reports, self.poison)
             if not self.replaced and self.replace_above is not None:
                 self.replaced = self._holds_too_much()
@@ -564,6 +585,11 @@ class Job:
             return ""
         limit = _packing.show(self.replace_above)
         return f"after it {how} {_packing.show(held)}, more than spawn_scope_memory {limit}"
+
+    def _others(self) -> list[int]:
+        """The processes of the child's group other than it and its test's fork."""
+        assert self.child is not None
+        return [p for p in self.child.others() if p != self.forked_pid]
 
     def _pipe_ended(self, problem: str) -> None:
         """The child's pipe ended (or cannot be read on) before the test's end."""
@@ -608,7 +634,7 @@ class Job:
             self._poll_dump(time.monotonic(), force=True)
             return
         phase = self.replay.pending_phase() if self.state is State.RUNNING else "setup"
-        self.left_behind = child.others()
+        self.left_behind = self._others()
         _runner.signal_pids(self.left_behind, signal.SIGKILL)
         self.reaped_count += len(self.left_behind)
         text = _reports.death_text(self.item.nodeid, phase, code, cause)
@@ -628,7 +654,7 @@ class Job:
             self.phase_at_timeout = "setup (while the child booted: spawnrun's boot limit)"
             self.limit = BOOT_LIMIT
         self.stacks_size = _reports.size_of(self.child.spec.stacks_path)
-        self.below = self.child.dump_stacks()
+        self.below = self.child.dump_stacks(skip=self.forked_pid)
         self.below_sizes = []
         self._to(State.DUMPING)
 
@@ -643,7 +669,7 @@ class Job:
         if not force and not written and now - self.since < DUMP_LIMIT:
             self.deadline = now + 2 * POLL
             return
-        self.left_behind = self.child.others()
+        self.left_behind = self._others()
         self.reaped_count += len(self.left_behind)
         self.child.kill()
         phase = self.phase_at_timeout
@@ -708,7 +734,7 @@ class Job:
         elif waited >= EXIT_GRACE and not self.left_behind:
             # multiprocessing joins non-daemonic children at exit: a child may be
             # waiting for what its test left behind. End those first.
-            self.left_behind = self.child.others()
+            self.left_behind = self._others()
             self.reaped_count += len(self.left_behind)
             _runner.signal_pids(self.left_behind, signal.SIGTERM)
         self.deadline = self.since + EXIT_KILL if waited < EXIT_KILL else now + 1.0
@@ -827,6 +853,7 @@ def _start(
     env: Mapping[str, str],
     executions: int = 0,
     then: Sequence[str] = (),
+    template: bool = False,
 ) -> _runner.ChildProcess:
     config = item.config
     workdir = _runner.child_dir(config, item.nodeid, next(_serial))
@@ -848,6 +875,7 @@ def _start(
         junit_family=run.junit_family,
         coverage=run.coverage,
         then=list(then),
+        fork_each=template,
     )
     env = {**run.environ, **env}
     holder = config.stash.get(ZYGOTE_KEY, None)
@@ -855,4 +883,7 @@ def _start(
         forked = holder.fork(config, spec, env)
         if forked is not None:
             return forked
+    if spec.fork_each:
+        # The forkserver is off: every test spawns, this one alone in its child.
+        spec = dataclasses.replace(spec, fork_each=False, then=[])
     return _runner.ChildProcess(spec, env=env)

@@ -181,6 +181,10 @@ def default_per_gpu(cpus: int, gpus: int) -> int:
     return max(2, min(8, cpus // max(1, gpus)))
 
 
+#: A ``Plan.scope`` of tests forked one by one from a template that collected their file.
+TEMPLATE_SCOPE = "template "
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a spawned test needs, decided once at collection (kept in ``item.stash``)."""
@@ -199,5 +203,5 @@ class Plan:
     #: Its need is what earlier runs measured (``--spawn-pack auto``), not declared.
     learned: bool = False
     #: The scope whose tests share one child ("module test_x.py", "group llm"; "": a
-    #: child of its own).
+    #: child of its own), or the template their forks come from (``TEMPLATE_SCOPE``).
     scope: str = ""

@@ -198,6 +198,26 @@ def other_threads() -> list[str]:
     return names
 
 
+def waiting_for_connections() -> list[str]:
+    """Names of this process's Python threads that wait in ``socket.accept``.
+
+    Such a thread holds no lock while it waits (pytest-rerunfailures starts one in
+    every pytest process where xdist is installed, to serve its workers): a fork
+    loses the thread and keeps a copy of its socket, and nothing in the fork waits on
+    it.
+    """
+    import threading
+
+    frames = sys._current_frames()
+    names = []
+    for thread in threading.enumerate():
+        frame = frames.get(thread.ident or -1)
+        code = frame.f_code if frame is not None else None
+        if code is not None and code.co_name == "accept" and code.co_filename.endswith("socket.py"):
+            names.append(thread.name)
+    return names
+
+
 def die_with_parent(parent: int | None = None) -> None:
     """Be killed when the parent ends, even by SIGKILL (a CI runner's hard stop).
 

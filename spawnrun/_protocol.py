@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,9 @@ class ChildSpec:
     #: The tests of its scope after this one, in order (``--spawn-scope``): the child
     #: keeps their fixtures up between them and runs each when a ``Go`` names it.
     then: list[str] = field(default_factory=list)
+    #: A template of its file (fast mode): it runs none of them itself but forks, per
+    #: test, a fresh process from what it collected, where that is safe.
+    fork_each: bool = False
     protocol: int = PROTOCOL_VERSION
 
 
@@ -90,6 +93,9 @@ class Booted:
     #: The child's pytest failed before it looked for the test (a conftest's hook
     #: raised, say): another collection would fail alike, so none is tried.
     failed: bool = False
+    #: Asked to be a template (``fork_each``) but forking it is unsafe: why. It then
+    #: runs its one test itself and ends.
+    not_a_template: str = ""
 
 
 @dataclass(frozen=True)
@@ -204,8 +210,16 @@ class After:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class ForkedTest:
+    """A template forked this process to run the test (its first message)."""
+
+    pid: int
+
+
 Message = (
     Booted
+    | ForkedTest
     | Phase
     | Report
     | WarningRecord

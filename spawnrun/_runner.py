@@ -481,7 +481,7 @@ class ChildProcess:
                 self.conn.close()
             self.conn = None
 
-    def dump_stacks(self) -> list[tuple[int, int, str, str]]:
+    def dump_stacks(self, skip: int = 0) -> list[tuple[int, int, str, str]]:
         """Ask the child, and every process below it that can be asked, for its stacks.
 
         Returns the processes below the child as they are now (pid, parent pid, command
@@ -494,6 +494,8 @@ class ChildProcess:
         directory = _stackhook.stacks_dir(os.path.dirname(self.spec.stacks_path))
         below = []
         for pid, ppid in process_tree(self.pid):
+            if pid == skip:
+                continue  # a template's fork: the child passes the request on to it
             path = os.path.join(directory, f"{pid}.txt")
             if not os.path.exists(path):
                 path = ""

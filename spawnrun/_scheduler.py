@@ -38,6 +38,7 @@ import contextlib
 import re
 import statistics
 import time
+from dataclasses import replace
 from collections.abc import Sequence
 from multiprocessing.connection import wait
 from typing import Any
@@ -56,6 +57,7 @@ from spawnrun._jobs import IN_SLOT
 from spawnrun._jobs import LISTENING
 from spawnrun._jobs import Job
 from spawnrun._jobs import State
+from spawnrun._reports import NOT_A_TEMPLATE
 from spawnrun._reports import REPLACED_TITLE
 
 STOPPED = (
@@ -121,6 +123,11 @@ class Scheduler:
         self.replace_above: int | None = None
         #: Scope children replaced after a test said the process is broken.
         self.replaced = 0
+        #: Templates that may not fork their file's tests (scope -> why), and the
+        #: pids of those that did, and how many tests ran in their forks.
+        self.refusals: dict[str, str] = {}
+        self.templates: set[int] = set()
+        self.forks = 0
 
     # Turns ---------------------------------------------------------------------------
 
@@ -179,6 +186,8 @@ class Scheduler:
             self.loop_once(_sooner(timeout, self._redraw()))
 
     def _job(self, item: pytest.Item, plan: _packing.Plan, devices: list[str]) -> Job:
+        if plan.scope in self.refusals:
+            plan = replace(plan, scope="")  # its template may not fork: a child of its own
         members = self.members.get(plan.scope, []) if plan.scope else []
         then = members[members.index(item.nodeid) + 1 :] if item.nodeid in members else []
         return Job(
@@ -190,6 +199,7 @@ class Scheduler:
             then,
             self.poison,
             self.replace_above,
+            self.refusals,
         )
 
     def _dismiss_idle(self, keep: str = "") -> None:
@@ -302,7 +312,8 @@ class Scheduler:
                 return
             if item.nodeid in self.ahead or any(j.item is item for j in self.jobs):
                 continue
-            if plan.scope and self.members.get(plan.scope, [item.nodeid])[0] != item.nodeid:
+            first = self.members.get(plan.scope, [item.nodeid])[0]
+            if plan.scope and plan.scope not in self.refusals and first != item.nodeid:
                 continue  # a scope's later test runs in the child of the scope's first
             devices = self._plan(plan.count) if plan.count and not plan.every else []
             job = self._job(item, plan, devices)
@@ -506,6 +517,9 @@ class Scheduler:
 
     def _count(self, job: Job) -> None:
         self.children += job.children_started
+        if job.template_pid and job.went:
+            self.forks += 1
+            self.templates.add(job.template_pid)
         if job.turned:
             self._count_test(job)
         # Else booted ahead: for a test that did not run (-x, an interrupt), or one whose
@@ -550,7 +564,13 @@ class Scheduler:
         if not self.isolated:
             return []
         first = f"{_plural(self.isolated, 'test')} isolated in "
-        first += _plural(self.children, "child", "children")
+        # A template runs no test: its forks are the children that did.
+        first += _plural(self.children - len(self.templates) + self.forks, "child", "children")
+        if self.forks:
+            first += (
+                f" ({self.forks} forked from {_plural(len(self.templates), 'template')} "
+                "that collected their file)"
+            )
         if self.boot_times:
             times = sorted(self.boot_times)
             first += f"; boot median {statistics.median(times):.2f}s, slowest {times[-1]:.2f}s"
@@ -570,6 +590,11 @@ class Scheduler:
             ends.append(f"{_plural(self.reaped, 'process', 'processes')} left behind {were} reaped")
         if ends:
             lines.append(", ".join(ends))
+        for scope, why in sorted(self.refusals.items()):
+            if not why:
+                continue  # the forkserver went off: its warning says why
+            where = scope.removeprefix(_packing.TEMPLATE_SCOPE).split(" [")[0]
+            lines.append(f"{where}: {NOT_A_TEMPLATE}: {why}")
         lines += self._packing_lines(list_alone)
         if self.peaks:
             lines.append("peak GPU memory per test (torch's caching allocator, reserved):")

@@ -222,6 +222,13 @@ def parse_poison(value: object, source: str) -> tuple[str, ...]:
     return patterns
 
 
+def parse_template(value: object, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in ("file", "library"):
+        raise pytest.UsageError(f"{source}: expected file or library, got {value!r}")
+    return text
+
+
 def parse_pycache(value: object, source: str) -> str:
     text = str(value).strip().lower()
     if text not in ("auto", "off"):
@@ -479,6 +486,19 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="MODE",
     ),
     Setting(
+        name="template",
+        cli="--spawn-template",
+        ini="spawn_template",
+        env="SPAWNRUN_TEMPLATE",
+        marker_kwarg=None,
+        default="file",
+        parse=parse_template,
+        help="What fast mode forks a test from: file (a process that collected its file, "
+        "where that left it fork-safe; else as library) or library (a process that imported "
+        "only libraries: each child collects its file)",
+        metavar="FROM",
+    ),
+    Setting(
         name="settle",
         cli="--spawn-settle",
         ini="spawn_settle",
@@ -546,6 +566,7 @@ class Settings:
     per_gpu: int | None = None
     gpu_memory: int | None = None
     pycache: str = "auto"
+    template: str = "file"
     scope: str = "test"
     group: str | None = None
     poison: tuple[str, ...] = ()

@@ -69,6 +69,9 @@ def unsafe_state() -> str:
         # What survives it would hang or deadlock a forked child.
         _quiesce()
         threads = _probe.other_threads()
+        for name in _probe.waiting_for_connections():
+            if name in threads:
+                threads.remove(name)
     if threads:
         return (
             f"{len(threads)} other thread(s) run in it ({', '.join(sorted(set(threads)))}); "

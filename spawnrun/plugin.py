@@ -51,7 +51,8 @@ PEAKS_KEY = pytest.StashKey[dict[str, int]]()
 CACHE_PEAKS = "spawnrun/peaks"
 #: Node id -> position in session.items, to find the tests after the current one.
 INDEX_KEY = pytest.StashKey[dict[str, int]]()
-STARTERS_KEY = pytest.StashKey[list[tuple[int, pytest.Item]]]()
+#: The tests that start a child, by position, as of how many templates were refused.
+STARTERS_KEY = pytest.StashKey[tuple[int, list[tuple[int, pytest.Item]]]]()
 #: Whether the run was told that /proc is missing (once).
 NO_PROC_KEY = pytest.StashKey[bool]()
 
@@ -292,7 +293,7 @@ def _scopes(
     members: dict[str, list[pytest.Item]] = {}
     for item in items:
         if item.stash[SPAWNS_KEY]:
-            key = _scope_key(item, settings)
+            key = _scope_key(item, settings) or _template_key(item, settings)
             if key:
                 members.setdefault(key, []).append(item)
     for key, tests in members.items():
@@ -362,6 +363,22 @@ def _scope_key(item: pytest.Item, settings: _settings.Settings) -> str:
         cls = item.getparent(pytest.Class)
         return f"class {cls.nodeid}" if cls is not None else ""
     return ""
+
+
+def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
+    """The template a test of its own is forked from in fast mode ("": none).
+
+    One per file and need: its tests run one after another, each in a fork of the
+    process that collected the file. Tests with a memory budget keep children of their
+    own, which may run side by side on a device.
+    """
+    if settings.method != "forkserver" or settings.template != "file":
+        return ""
+    plan = item.stash[PLAN_KEY]
+    if plan.count and plan.need is not _packing.ALONE:
+        return ""
+    where = item.nodeid.split("::")[0]
+    return f"{_packing.TEMPLATE_SCOPE}{where} [{_needs(plan)}]"
 
 
 def _closest_kwarg(item: pytest.Item, settings: _settings.Settings, name: str, parse: Any) -> Any:
@@ -557,9 +574,13 @@ def _upcoming(
         # A worker's order is the controller's to decide: only nextitem is known.
         candidates = [nextitem] if _spawns(nextitem) else []
     else:
-        starters = session.config.stash.get(STARTERS_KEY, None)
-        if starters is None:
-            starters = session.config.stash[STARTERS_KEY] = _starters(session, scheduler)
+        known = session.config.stash.get(STARTERS_KEY, None)
+        if known is None or known[0] != len(scheduler.refusals):
+            known = session.config.stash[STARTERS_KEY] = (
+                len(scheduler.refusals),
+                _starters(session, scheduler),
+            )
+        starters = known[1]
         at = bisect.bisect_left(starters, _index(session, nextitem), key=lambda s: s[0])
         candidates = [it for _, it in starters[at : at + scheduler.lookahead]]
     return [(it, _plan_of(it)) for it in candidates]
@@ -582,7 +603,8 @@ def _starters(
         if not _spawns(it):
             continue
         scope = _plan_of(it).scope
-        if not scope or scheduler.members.get(scope, [it.nodeid])[0] == it.nodeid:
+        first = scheduler.members.get(scope, [it.nodeid])[0]
+        if not scope or scope in scheduler.refusals or first == it.nodeid:
             found.append((i, it))
     return found
 

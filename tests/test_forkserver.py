@@ -13,6 +13,7 @@ import time
 import pytest
 
 from spawnrun import _forkserver
+from spawnrun import _reports
 
 DEVICE_SUITE = """
 import json, os
@@ -53,15 +54,93 @@ def _forked(pytester: pytest.Pytester, n: int) -> bool:
     return parents != {pytest_pid} and len(parents) == 1
 
 
-def test_device_initialized_by_the_conftest_at_import_keeps_forking(pytester, fakedevice):
-    # The vLLM case: the conftest touches the device at import. The template never runs
-    # the conftest, so each forked child initializes the device for itself.
-    pytester.makeconftest(RECORD_PARENT + "import fakedevice\nfakedevice.init()  # at import\n")
+@pytest.mark.parametrize("template", ["library", "file"])
+def test_device_initialized_by_the_conftest_at_import_keeps_forking(pytester, fakedevice, template):
+    # The vLLM case: the conftest touches the device at import. The library template
+    # never runs the conftest, so each forked child initializes the device for itself.
+    # A file's template does run it: the device, declared through the hook, keeps it
+    # from forking, and each test collects its file in a child forked from the library.
+    hook = (
+        "def pytest_spawnrun_device_state(config=None):\n"
+        "    return 'fakedevice is initialized' if fakedevice.is_initialized() else None\n"
+    )
+    conftest = RECORD_PARENT + "import fakedevice\nfakedevice.init()  # at import\n"
+    pytester.makeconftest(conftest + (hook if template == "file" else ""))
     pytester.makepyfile(test_device=DEVICE_SUITE)
-    result = _run_fast(pytester, "-W", "default")
+    result = _run_fast(pytester, "-W", "default", "--spawn-template", template)
     result.assert_outcomes(passed=3)
     result.stdout.no_fnmatch_line("*forkserver is off*")
     assert _forked(pytester, 3)
+    if template == "file":
+        result.stdout.fnmatch_lines(
+            [f"test_device.py: {_reports.NOT_A_TEMPLATE}: fakedevice is initialized"]
+        )
+
+
+TEMPLATE_SUITE = """
+import json, os, signal, time
+import pytest
+
+BUILDS = []
+
+@pytest.fixture(scope="module")
+def model():
+    BUILDS.append(1)
+    return len(BUILDS)
+
+@pytest.mark.gpu(count=0, timeout=4)
+@pytest.mark.parametrize("i", range(4))
+def test_t(model, i, tmp_path_factory):
+    left = tmp_path_factory.getbasetemp() / "left-by-a-test"
+    assert not left.exists()
+    left.touch()
+    with open("seen.jsonl", "a") as f:
+        f.write(json.dumps([i, os.getpid(), os.getppid(), model]) + "\\n")
+    if i == 1:
+        {death}
+"""
+
+DEATHS = {
+    "passes": "pass",
+    "segfault": "os.kill(os.getpid(), signal.SIGSEGV)",
+    "exit": "os._exit(3)",
+    "timeout": "time.sleep(60)",
+}
+
+
+@pytest.mark.parametrize("death", list(DEATHS))
+def test_a_files_template_forks_each_test_fresh_and_a_death_ends_it(pytester, death):
+    pytester.makeconftest(RECORD_PARENT)
+    pytester.makepyfile(test_t=TEMPLATE_SUITE.format(death=DEATHS[death]))
+    result = _run_fast(pytester, "-v")
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    rows = {
+        i: (pid, ppid, builds)
+        for i, pid, ppid, builds in map(
+            json.loads, (pytester.path / "seen.jsonl").read_text().splitlines()
+        )
+    }
+    pytest_pid = int((pytester.path / "parent.pid").read_text())
+    # A process of its own per test, the module's fixture built in each, none by pytest.
+    assert len({pid for pid, _, _ in rows.values()}) == 4
+    assert {builds for _, _, builds in rows.values()} == {1}
+    templates = [ppid for _, ppid, _ in rows.values()]
+    assert pytest_pid not in templates
+    if death == "passes":
+        result.assert_outcomes(passed=4)
+        assert len(set(templates)) == 1
+        result.stdout.fnmatch_lines(
+            ["*4 tests isolated in 4 children (4 forked from 1 template that collected*"]
+        )
+        return
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["FAILED test_t.py::test_t[[]1[]]*"])
+    # The fork's death ended its template; the next tests came from a fresh one.
+    assert templates[0] == templates[1] != templates[2] == templates[3]
+    result.stdout.fnmatch_lines(["*4 tests isolated in 4 children (4 forked from 2 templates*"])
+    if death == "timeout":
+        # The stacks are the fork's, where the test sleeps, not its template's.
+        result.stdout.fnmatch_lines(["*test_t.py*line*in test_t*"])
 
 
 UNSAFE = {

@@ -87,6 +87,12 @@ def test_spawn_gpu_from_each_source():
         ),
         ({"spawn_scope": "session"}, {}, {}, "ini option 'spawn_scope': expected test, class*"),
         (
+            {},
+            {},
+            {"template": "module"},
+            "command line option --spawn-template: expected file or library, got 'module'",
+        ),
+        (
             {"spawn_poison": "ok\n(unclosed"},
             {},
             {},
