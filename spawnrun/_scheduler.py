@@ -38,8 +38,8 @@ import contextlib
 import re
 import statistics
 import time
-from dataclasses import replace
 from collections.abc import Sequence
+from dataclasses import replace
 from multiprocessing.connection import wait
 from typing import Any
 
