@@ -432,7 +432,7 @@ def carriers(vendor: Vendor, variable: str, environ: Mapping[str, str]) -> tuple
     """The variables a child's tokens go into: ``variable``, and its aliases the parent set.
 
     HIP_VISIBLE_DEVICES and CUDA_VISIBLE_DEVICES both set (say by a launcher) get the
-    same subset, so they never disagree in the child (vLLM on ROCm refuses that).
+    same subset, so the two never disagree in the child.
     """
     if variable not in vendor.aliases:
         return (variable,)
