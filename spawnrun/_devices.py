@@ -1,12 +1,17 @@
 """GPUs as pure bookkeeping: inventory, allocation, and memory settling via NVML.
 
-Runs in the parent and never touches CUDA: the inventory comes from
-CUDA_VISIBLE_DEVICES, NVML (``nvidia-ml-py``, optional) or ``nvidia-smi -L``; the
-allocator hands out device ids and plans booted-ahead children onto the least loaded
+Runs in the parent and never touches CUDA: the inventory comes from the vendor's
+visibility variable (``CUDA_VISIBLE_DEVICES`` and the others of ``_vendors``), NVML
+(``nvidia-ml-py``, optional) or the vendor's tool (``nvidia-smi -L``, ``amd-smi``...);
+the allocator hands out device ids and plans booted-ahead children onto the least loaded
 devices; under pytest-xdist a file ledger shares them between workers. After a child on
 a GPU exits, the driver releases its memory asynchronously; ``still_held`` asks NVML
 whether the test's processes still hold any, so the next test can wait for exactly
 that. Without NVML there is nothing to ask.
+
+Devices are named by their inventory ids (labels such as ``0`` or ``0:mig1``); the run's
+inventory (``activate``) says what each one's child gets in its visibility variable and
+how NVML finds it.
 """
 
 from __future__ import annotations
@@ -15,47 +20,47 @@ import contextlib
 import fcntl
 import json
 import os
-import shutil
 import stat
-import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from spawnrun import _inventory
 from spawnrun import _packing
-
-_nvml: Any = None
-_nvml_failed = False
+from spawnrun import _vendors
 
 
 def _load() -> Any:
-    global _nvml, _nvml_failed
-    if _nvml is None and not _nvml_failed:
-        try:
-            import pynvml  # type: ignore[import-not-found, unused-ignore]
-
-            pynvml.nvmlInit()
-            _nvml = pynvml
-        except Exception:  # noqa: BLE001 - no library, no driver: nothing to wait for
-            _nvml_failed = True
-    return _nvml
+    return _vendors.load_nvml()
 
 
 def nvml_available() -> bool:
-    return _load() is not None
+    """Whether NVML can tell about the run's devices (not another vendor's)."""
+    return _load() is not None and _inventory.active().vendor == "nvidia"
+
+
+def _nvml_name(device: str) -> str | None:
+    """How NVML finds the run's device ``device`` (None: it cannot tell which it is)."""
+    active = _inventory.active()
+    if active.vendor != "nvidia":
+        return None  # NVML knows NVIDIA GPUs only
+    return active.device(device).nvml
 
 
 def _handle(nvml: Any, device: str) -> Any:
-    if device.isdigit():
-        return nvml.nvmlDeviceGetHandleByIndex(int(device))
-    return nvml.nvmlDeviceGetHandleByUUID(device)
+    name = _nvml_name(device)
+    if name is None:
+        raise LookupError(f"NVML cannot tell which GPU device {device} is")
+    if name.isdigit():
+        return nvml.nvmlDeviceGetHandleByIndex(int(name))
+    # A GPU- or MIG- UUID (a MIG instance's handle has the instance's own memory).
+    return nvml.nvmlDeviceGetHandleByUUID(name)
 
 
 def still_held(devices: list[str], pids: set[int]) -> bool | None:
@@ -122,10 +127,13 @@ def process_memory(devices: list[str], pids: set[int]) -> int | None:
 
 
 def capacities(ids: tuple[str, ...], declared: int | None) -> dict[str, int | None]:
-    """Each device's memory: NVML's total, at most ``declared`` (--spawn-gpu-memory)."""
+    """Each device's memory: NVML's total (else the vendor tool's), at most ``declared``
+    (--spawn-gpu-memory)."""
     found: dict[str, int | None] = {}
     for device in ids:
         total = total_memory(device)
+        if total is None:
+            total = _inventory.active().device(device).memory  # as the vendor's tool said
         if total is None:
             found[device] = declared
         else:
@@ -134,50 +142,6 @@ def capacities(ids: tuple[str, ...], declared: int | None) -> dict[str, int | No
 
 
 # Inventory ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Inventory:
-    """The devices this run may hand out, and how they were found (for the header)."""
-
-    ids: tuple[str, ...]
-    source: str
-
-    def describe(self) -> str:
-        if not self.ids:
-            return f"spawnrun: no GPUs ({self.source}); tests that need one are skipped"
-        return f"spawnrun: {len(self.ids)} GPU(s) [{', '.join(self.ids)}] ({self.source})"
-
-
-def parse_visible(value: str) -> list[str]:
-    """CUDA_VISIBLE_DEVICES as CUDA reads it: indices or UUIDs, up to the first invalid one."""
-    ids: list[str] = []
-    for token in (t.strip() for t in value.split(",")):
-        if not token:
-            break
-        if token.lstrip("-").isdigit() and int(token) < 0:
-            break  # CUDA stops at the first negative index
-        ids.append(token)
-    return ids
-
-
-def discover(environ: Mapping[str, str]) -> Inventory:
-    """``auto``: CUDA_VISIBLE_DEVICES, else NVML, else ``nvidia-smi -L``, else none."""
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return Inventory(tuple(parse_visible(visible)), "from CUDA_VISIBLE_DEVICES")
-    nvml = _load()
-    if nvml is not None:
-        with contextlib.suppress(Exception):
-            n = int(nvml.nvmlDeviceGetCount())
-            return Inventory(tuple(str(i) for i in range(n)), "from NVML")
-    smi = shutil.which("nvidia-smi")
-    if smi is not None:
-        with contextlib.suppress(Exception):
-            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
-            n = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-            return Inventory(tuple(str(i) for i in range(n)), "from nvidia-smi -L")
-    return Inventory((), "none found: no CUDA_VISIBLE_DEVICES, NVML or nvidia-smi")
 
 
 def parse_gpus(value: object, source: str) -> str:
@@ -216,27 +180,6 @@ def _is_device_id(text: str) -> bool:
         return True
     prefix, _, rest = text.partition("-")
     return prefix in ("GPU", "MIG") and bool(rest) and not any(c.isspace() for c in rest)
-
-
-def inventory(setting: str, environ: Mapping[str, str]) -> Inventory:
-    if setting == "auto":
-        return discover(environ)
-    if setting == "none":
-        return Inventory((), "--spawn-gpus none")
-    if setting.isdigit():
-        found = discover(environ)
-        n = int(setting)
-        if len(found.ids) >= n:
-            return Inventory(found.ids[:n], f"first {n} {found.source}")
-        if found.ids:
-            # Some devices are visible, fewer than asked: never hand out others.
-            raise pytest.UsageError(
-                f"--spawn-gpus {n}: only {len(found.ids)} GPU(s) visible "
-                f"({', '.join(found.ids)}, {found.source})"
-            )
-        return Inventory(tuple(str(i) for i in range(n)), f"--spawn-gpus {n}, trusted as given")
-    ids = tuple(t for t in setting.split(",") if t)  # "0,": device 0 alone
-    return Inventory(ids, "declared with --spawn-gpus, trusted as given")
 
 
 # Allocation --------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from spawnrun import CHILD_ENV
 from spawnrun import _coverage
 from spawnrun import _devices
 from spawnrun import _forkserver
+from spawnrun import _inventory
 from spawnrun import _packing
 from spawnrun import _poison
 from spawnrun import _protocol as proto
@@ -247,11 +248,8 @@ class Job:
     # Starting --------------------------------------------------------------------
 
     def env(self) -> dict[str, str]:
-        env = {CHILD_ENV: "1"}
-        if self.devices:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices)
-        elif not self.plan.every:
-            env["CUDA_VISIBLE_DEVICES"] = ""
+        # Its devices' tokens in the vendor's visibility variables (none: hidden).
+        env = {CHILD_ENV: "1", **_inventory.child_env(self.devices, self.plan.every)}
         need = self.plan.need
         if need is not _packing.ALONE:
             # Its budget, before any of its code runs: torch gets it at CUDA's init
@@ -319,6 +317,8 @@ class Job:
         """Devices and a slot are ours: run now if booted, else as soon as booted."""
         if self.devices:
             self.replay.properties.append(("spawnrun_devices", ",".join(self.devices)))
+            if visible := _inventory.visible(self.devices):  # e.g. the UUIDs they got
+                self.replay.properties.append((_inventory.VISIBLE_PROPERTY, visible))
         if self.plan.need is not _packing.ALONE and self.claimed:
             mib = round(self.plan.need / 2**20, 1)
             self.replay.properties.append((BUDGET_PROPERTY, mib))

@@ -21,6 +21,7 @@ import pytest
 
 from spawnrun import _devices
 from spawnrun import _packing
+from spawnrun import _vendors
 
 #: pytest-forked's marker: spawns as ``<marker>(count=0)`` while pytest-forked is absent.
 FORKED = "forked"
@@ -346,6 +347,19 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="GPUS",
     ),
     Setting(
+        name="gpu_vendor",
+        cli="--spawn-gpu-vendor",
+        ini="spawn_gpu_vendor",
+        env="SPAWNRUN_GPU_VENDOR",
+        marker_kwarg=None,
+        default="auto",
+        parse=_vendors.parse_vendor,
+        help="Whose accelerators to hand out and which variable pins them: auto (an outer "
+        "visibility variable, else the first vendor whose NVML or tool is found), nvidia, "
+        "amd, intel or ascend",
+        metavar="VENDOR",
+    ),
+    Setting(
         name="jobs",
         cli="--spawn-jobs",
         ini="spawn_jobs",
@@ -565,6 +579,7 @@ class Settings:
     pack: str = "declared"
     per_gpu: int | None = None
     gpu_memory: int | None = None
+    gpu_vendor: str = "auto"
     pycache: str = "auto"
     template: str = "file"
     scope: str = "test"

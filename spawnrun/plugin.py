@@ -26,6 +26,7 @@ from spawnrun import _child
 from spawnrun import _cudawatch
 from spawnrun import _devices
 from spawnrun import _forkserver
+from spawnrun import _inventory
 from spawnrun import _jobs
 from spawnrun import _packing
 from spawnrun import _poison
@@ -37,7 +38,7 @@ from spawnrun import _settings
 from spawnrun import _status
 
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
-INVENTORY_KEY = pytest.StashKey[_devices.Inventory]()
+INVENTORY_KEY = pytest.StashKey[_inventory.Inventory]()
 SCHEDULER_KEY = pytest.StashKey[_scheduler.Scheduler]()
 #: Per item: the validated marker arguments, whether it spawns, and what it needs.
 ITEM_KEY = pytest.StashKey[dict[str, Any]]()
@@ -106,7 +107,10 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     settings = _settings.resolve(config)
     _register_markers(config, settings.marker, settings.forked_alias)
-    inventory = _devices.inventory(settings.gpus, os.environ)
+    inventory = _inventory.inventory(settings.gpus, os.environ, settings.gpu_vendor)
+    # NVML lookups and children's environments name devices through it, from now on.
+    _inventory.activate(inventory)
+    config.add_cleanup(lambda: _inventory.activate(None))
     cpus = os.cpu_count() or 1
     per_gpu = settings.per_gpu or _packing.default_per_gpu(cpus, len(inventory.ids))
     if settings.pack == "off":
@@ -261,7 +265,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     settings = config.stash.get(SETTINGS_KEY, None)
     if settings is None:
         return
-    ids = config.stash[INVENTORY_KEY].ids
+    inventory = config.stash[INVENTORY_KEY]
+    ids = inventory.ids
     capacity = config.stash[CAPACITY_KEY]
     learned = _learned(config) if settings.pack == "auto" else {}
     for item in items:
@@ -270,7 +275,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         spawns = _should_spawn(item, settings)
         plan = _plan(item, settings, overrides, ids, capacity, learned)
         item.stash[PLAN_KEY] = plan
-        reason = _cannot_run(plan, ids, capacity) if spawns or plan.count else ""
+        reason = ""
+        if spawns or plan.count:
+            reason = inventory.refuses(plan.count) or _cannot_run(plan, ids, capacity)
         if reason:
             # Skipped where it stands, in-process: no child for a test that cannot run.
             item.add_marker(pytest.mark.skip(reason=reason))

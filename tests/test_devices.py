@@ -8,6 +8,8 @@ import sys
 import pytest
 
 from spawnrun import _devices
+from spawnrun import _inventory
+from spawnrun import _vendors
 from spawnrun._packing import ALONE
 
 GiB = 2**30
@@ -26,7 +28,7 @@ GiB = 2**30
     ],
 )
 def test_auto_respects_cuda_visible_devices(visible, expected):
-    inv = _devices.inventory("auto", {"CUDA_VISIBLE_DEVICES": visible})
+    inv = _inventory.inventory("auto", {"CUDA_VISIBLE_DEVICES": visible})
     assert inv.ids == expected
     assert "CUDA_VISIBLE_DEVICES" in inv.source
 
@@ -41,7 +43,7 @@ def test_auto_respects_cuda_visible_devices(visible, expected):
     ],
 )
 def test_explicit_settings(setting, environ, expected):
-    assert _devices.inventory(setting, environ).ids == expected
+    assert _inventory.inventory(setting, environ).ids == expected
 
 
 @pytest.mark.parametrize("bad", ["0,,1", "a b", "", "-1", "abc", "1.5", "0,x", "GPU-"])
@@ -62,16 +64,16 @@ def test_a_device_listed_twice_is_refused():
 
 def test_a_count_picks_from_what_is_visible():
     # CUDA_VISIBLE_DEVICES=3 allows device 3 alone: two can never be handed out.
-    assert _devices.inventory("1", {"CUDA_VISIBLE_DEVICES": "3"}).ids == ("3",)
+    assert _inventory.inventory("1", {"CUDA_VISIBLE_DEVICES": "3"}).ids == ("3",)
     with pytest.raises(pytest.UsageError, match="--spawn-gpus 2: only 1 GPU.s. visible .3,"):
-        _devices.inventory("2", {"CUDA_VISIBLE_DEVICES": "3"})
+        _inventory.inventory("2", {"CUDA_VISIBLE_DEVICES": "3"})
 
 
 def test_header_says_how_devices_were_found():
-    assert _devices.inventory("0,1", {}).describe() == (
-        "spawnrun: 2 GPU(s) [0, 1] (declared with --spawn-gpus, trusted as given)"
+    assert _inventory.inventory("0,1", {}).describe() == (
+        "spawnrun: 2 GPU(s) [0, 1] (nvidia, declared with --spawn-gpus, trusted as given)"
     )
-    assert "tests that need one are skipped" in _devices.inventory("none", {}).describe()
+    assert "tests that need one are skipped" in _inventory.inventory("none", {}).describe()
 
 
 def test_allocator_hands_out_each_device_once():
@@ -184,8 +186,10 @@ def test_nvidia_smi_is_the_last_resort(tmp_path, monkeypatch):
     )
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    monkeypatch.setattr(_devices, "_load", lambda: None)  # no NVML
-    inv = _devices.inventory("auto", {})
-    assert inv == _devices.Inventory(("0", "1"), "from nvidia-smi -L")
+    monkeypatch.setattr(_vendors, "load_nvml", lambda: None)  # no NVML
+    inv = _inventory.inventory("auto", {})
+    assert inv.ids == ("0", "1")  # named as nvidia-smi numbers them
+    assert [d.token for d in inv.devices] == ["GPU-a", "GPU-b"]  # handed out as UUIDs
+    assert inv.source.startswith("from nvidia-smi -L")
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
-    assert _devices.inventory("auto", {}).ids == ()
+    assert _inventory.inventory("auto", {}).ids == ()

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from spawnrun import _devices
+from spawnrun import _inventory
 from spawnrun import _settings
 
 
@@ -257,7 +258,7 @@ def test_no_spawn_on_the_command_line_wins_over_addopts(pytester):
 )
 def test_one_device_id_alone_is_written_with_a_trailing_comma(value, normal, ids):
     assert _devices.parse_gpus(value, "--spawn-gpus") == normal
-    assert _devices.inventory(normal, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}).ids == ids
+    assert _inventory.inventory(normal, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}).ids == ids
 
 
 @pytest.mark.parametrize("bad", [",", "0,,", ",0", "0,1,,"])
