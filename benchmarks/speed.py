@@ -16,6 +16,10 @@ Modes (``--modes``; plain and pytest-forked always run, ``--modes all`` runs eve
                                lookahead (booting ahead on)
     spawnrun fast              ``--spawn-gpu --spawn-method forkserver --spawn-preload torch``
     spawnrun fast-nopreload    ``--spawn-gpu --spawn-method forkserver`` (not default)
+    spawnrun fast, library template
+                               fast mode with ``--spawn-template library`` (each child
+                               collects its file; fast mode's default forks the tests
+                               of a file from a template that collected it)
     spawnrun default, scope module / spawnrun fast, scope module
                                the same with ``--spawn-scope module`` (not default): one
                                child per file, so give ``--per-file`` more than 1
@@ -200,6 +204,15 @@ MODES: dict[str, list[str]] = {
         "torch",
     ],
     "spawnrun fast-nopreload": ["--spawn-gpu", "--spawn-method", "forkserver"],
+    "spawnrun fast, library template": [
+        "--spawn-gpu",
+        "--spawn-method",
+        "forkserver",
+        "--spawn-preload",
+        "torch",
+        "--spawn-template",
+        "library",
+    ],
     "spawnrun default, scope module": ["--spawn-gpu", "--spawn-scope", "module"],
     "spawnrun fast, scope module": [
         "--spawn-gpu",
@@ -218,6 +231,7 @@ ALWAYS = ["plain", "pytest-forked"]
 DEFAULT_MODES = [*ALWAYS, "spawnrun default", "spawnrun fast"]
 FAST_MODES = (
     "spawnrun fast",
+    "spawnrun fast, library template",
     "spawnrun fast-nopreload",
     "spawnrun forkserver",
     "spawnrun fast, scope module",

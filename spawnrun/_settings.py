@@ -124,12 +124,20 @@ def default_lookahead(cpus: int | None = None, available_bytes: int | None = Non
     needs several booting at once to keep up with short tests. A booted child that
     imported torch holds roughly 0.5-1 GiB of host memory.
     """
-    cpus = cpus or os.cpu_count() or 1
+    cpus = cpus or usable_cpus()
     by_cpu = min(8, max(1, cpus // 2))
     if available_bytes is None:
         available_bytes = _available_memory()
     by_memory = max(0, available_bytes // (2 * 2**30)) if available_bytes else by_cpu
     return int(min(by_cpu, by_memory))
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: ``taskset``, a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
 
 
 def _available_memory() -> int | None:

@@ -111,7 +111,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # NVML lookups and children's environments name devices through it, from now on.
     _inventory.activate(inventory)
     config.add_cleanup(lambda: _inventory.activate(None))
-    cpus = os.cpu_count() or 1
+    cpus = _settings.usable_cpus()
     per_gpu = settings.per_gpu or _packing.default_per_gpu(cpus, len(inventory.ids))
     if settings.pack == "off":
         per_gpu = 1
@@ -303,6 +303,10 @@ def _scopes(
             key = _scope_key(item, settings) or _template_key(item, settings)
             if key:
                 members.setdefault(key, []).append(item)
+    # A template that would fork one test only costs a fork more than a child of its own.
+    members = {
+        k: v for k, v in members.items() if len(v) > 1 or not k.startswith(_packing.TEMPLATE_SCOPE)
+    }
     for key, tests in members.items():
         shared = _scope_plan(key, tests)
         for item in tests:
