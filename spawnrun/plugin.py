@@ -303,10 +303,8 @@ def _scopes(
             key = _scope_key(item, settings) or _template_key(item, settings)
             if key:
                 members.setdefault(key, []).append(item)
-    # A template that would fork one test only costs a fork more than a child of its own.
-    members = {
-        k: v for k, v in members.items() if len(v) > 1 or not k.startswith(_packing.TEMPLATE_SCOPE)
-    }
+    gpus = len(config.stash[INVENTORY_KEY].ids)
+    members = _split_templates(members, config.stash[SCHEDULER_KEY].limit, gpus)
     for key, tests in members.items():
         shared = _scope_plan(key, tests)
         for item in tests:
@@ -374,6 +372,34 @@ def _scope_key(item: pytest.Item, settings: _settings.Settings) -> str:
         cls = item.getparent(pytest.Class)
         return f"class {cls.nodeid}" if cls is not None else ""
     return ""
+
+
+def _split_templates(
+    members: dict[str, list[pytest.Item]], limit: int, gpus: int
+) -> dict[str, list[pytest.Item]]:
+    """Each file's template becomes as many as its tests can run at once, round robin.
+
+    Tests of one template run one after another; with several templates a file's tests
+    still run side by side, as many as the job limit (and, for tests on devices, the
+    devices) allow. A template that would fork one test only costs a fork more than a
+    child of its own: such a test has none.
+    """
+    split: dict[str, list[pytest.Item]] = {}
+    for key, tests in members.items():
+        if not key.startswith(_packing.TEMPLATE_SCOPE):
+            split[key] = tests
+            continue
+        plan = tests[0].stash[PLAN_KEY]
+        if plan.every and gpus:
+            at_once = 1  # it holds every device
+        else:
+            at_once = gpus // plan.count if plan.count else limit
+        ways = max(1, min(limit, at_once, len(tests)))
+        for way in range(ways):
+            share = tests[way::ways]
+            if len(share) > 1:
+                split[f"{key} #{way + 1}" if ways > 1 else key] = share
+    return split
 
 
 def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
