@@ -58,6 +58,19 @@ def start() -> None:
     _writing = True
 
 
+def write_into(directory: str) -> None:
+    """The parent, for its collection: what it compiles is there for its children.
+
+    The parent imports the suite's libraries while it collects (torch, transformers):
+    written to the children's directory, the first children load them compiled instead
+    of compiling them again, all at once. Put back (``stop``) when collection ends.
+    """
+    global _writing
+    sys.pycache_prefix = directory
+    sys.dont_write_bytecode = False
+    _writing = True
+
+
 def stop() -> None:
     """The test is collected: bytecode as the parent has it (a no-op if never started)."""
     global _writing

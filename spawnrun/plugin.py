@@ -226,6 +226,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     environ = {}
     if _bytecode.wanted(config.stash[SETTINGS_KEY].pycache):
         environ[_bytecode.ENV] = _pycache_dir(config)
+        _bytecode.write_into(environ[_bytecode.ENV])  # until collection ends
+        config.add_cleanup(_bytecode.stop)  # a collection that never ends, too
     config.stash[_jobs.SHARED_KEY] = _jobs.shared(config, environ)
     holder = config.stash.get(_jobs.ZYGOTE_KEY, None)
     if holder is not None:
@@ -252,6 +254,7 @@ def pytest_collectstart() -> None:
 
 @pytest.hookimpl
 def pytest_collection_finish(session: pytest.Session) -> None:
+    _bytecode.stop()  # the tests see bytecode settings as they were
     holder = session.config.stash.get(_jobs.ZYGOTE_KEY, None)
     if holder is not None:
         holder.collected()  # preload in the template what collection imported

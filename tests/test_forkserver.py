@@ -112,7 +112,7 @@ DEATHS = {
 def test_a_files_template_forks_each_test_fresh_and_a_death_ends_it(pytester, death):
     pytester.makeconftest(RECORD_PARENT)
     pytester.makepyfile(test_t=TEMPLATE_SUITE.format(death=DEATHS[death]))
-    result = _run_fast(pytester, "-v")
+    result = _run_fast(pytester, "-v", "--spawn-jobs", "1")
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     rows = {
         i: (pid, ppid, builds)
@@ -331,7 +331,8 @@ def test_openmp_at_import_and_executors_in_forked_children(pytester):
     assert time.monotonic() - start < 120
 
 
-def test_forked_children_are_separate_processes_with_own_tmp_path(pytester):
+@pytest.mark.parametrize("template", ["library", "file"])
+def test_forked_children_are_separate_processes_with_own_tmp_path(pytester, template):
     pytester.makepyfile(
         """
         import json, os
@@ -348,7 +349,8 @@ def test_forked_children_are_separate_processes_with_own_tmp_path(pytester):
                 json.dump([os.getpid(), os.getppid(), str(tmp_path)], f)
         """
     )
-    result = _run_fast(pytester)
+    # One test at a time: all three from one template (the library's, or the file's).
+    result = _run_fast(pytester, "--spawn-template", template, "--spawn-jobs", "1")
     result.assert_outcomes(passed=3)
     rows = [json.loads((pytester.path / f"where{i}.json").read_text()) for i in range(3)]
     pids, parents, tmps = zip(*rows, strict=True)

@@ -56,3 +56,20 @@ def test_children_keep_bytecode_but_their_tests_see_the_parents_settings(
     written = kept[0].stat().st_mtime_ns
     pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
     assert kept[0].stat().st_mtime_ns == written
+
+
+def test_the_parents_collection_leaves_bytecode_for_its_children(pytester, monkeypatch):
+    # What the parent compiles while it collects, children load: written there too, and
+    # the settings are back as they were before any test runs.
+    libs = pytester.mkdir("libs")
+    (libs / "slowlib.py").write_text("ANSWER = 42\n")
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    seen = pytester.path / "seen.jsonl"
+    monkeypatch.setenv("SEEN", str(seen))
+    pytester.makepyfile(test_suite=SUITE.replace("@pytest.mark.gpu(count=0)\n", ""))
+    pytester.runpytest_subprocess().assert_outcomes(passed=2)  # in-process: no child
+    rows = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert rows == [{"dont_write": True, "prefix": None, "env": [], "answer": 42}] * 2
+    assert not (libs / "__pycache__").exists()
+    assert len(list((pytester.path / ".pytest_cache").rglob("slowlib*.pyc"))) == 1
