@@ -186,7 +186,7 @@ def nvml_index(token: str, environ: Mapping[str, str], nvml: Any) -> str | None:
 
     A UUID is the same for both. An index is CUDA's, fastest first unless
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; NVML numbers in PCI order. The two agree under
-    PCI_BUS_ID, or where every GPU is the same model; elsewhere NVML's figures for that
+    PCI_BUS_ID, with one GPU, or where every GPU is the same model; elsewhere NVML's figures for that
     index could be another GPU's, so none are used.
     """
     if not token.isdigit() or nvml is None:
@@ -195,6 +195,8 @@ def nvml_index(token: str, environ: Mapping[str, str], nvml: Any) -> str | None:
         return token
     try:
         count = int(nvml.nvmlDeviceGetCount())
+        if count <= 1:
+            return token  # one GPU: no order to disagree on
         names = {
             _text(nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)
         }
