@@ -186,8 +186,8 @@ def nvml_index(token: str, environ: Mapping[str, str], nvml: Any) -> str | None:
 
     A UUID is the same for both. An index is CUDA's, fastest first unless
     ``CUDA_DEVICE_ORDER=PCI_BUS_ID``; NVML numbers in PCI order. The two agree under
-    PCI_BUS_ID, with one GPU, or where every GPU is the same model; elsewhere NVML's figures for that
-    index could be another GPU's, so none are used.
+    PCI_BUS_ID, with one GPU, or where every GPU is the same model; elsewhere NVML's
+    figures for that index could be another GPU's, so none are used.
     """
     if not token.isdigit() or nvml is None:
         return token
