@@ -128,6 +128,9 @@ class Scheduler:
         self.refusals: dict[str, str] = {}
         self.templates: set[int] = set()
         self.forks = 0
+        #: Tests of a scope whose child still runs the scope's previous test, in order:
+        #: pytest goes on meanwhile, so other scopes' tests may run side by side.
+        self.queued: list[Job] = []
 
     # Turns ---------------------------------------------------------------------------
 
@@ -160,8 +163,46 @@ class Scheduler:
             job.replayed = True
             self._replay(job)
             return
+        if self._queue(job):
+            self.prefetch(upcoming)
+            return
         with self._waiting():
             self._wait_for_turn(job, item, upcoming)
+
+    def _queue(self, job: Job) -> bool:
+        """Queue a scope's next test while its child runs the one before (True: queued).
+
+        Its turn comes when the child is handed over (``_pump``), in the scope's order;
+        pytest goes on to the next tests meanwhile, so that another scope's child can run
+        beside it where slots and devices allow. One test at a time, nothing waits.
+        """
+        scope = job.plan.scope
+        if self.limit == 1 or not scope:
+            return False
+        if not any(q.plan.scope == scope for q in self.queued):
+            donor = self.scope_job.get(scope)
+            if donor is None or donor is job or donor not in self.jobs:
+                return False
+            if not (donor.turned and donor.state in LISTENING):
+                return False
+        self.queued.append(job)
+        return True
+
+    def _pump(self) -> None:
+        """Start the queued tests whose scope's child is free now, each scope in order."""
+        blocked = set()
+        for job in list(self.queued):
+            scope = job.plan.scope
+            if scope in blocked:
+                continue
+            session = job.item.session
+            if session.shouldfail or session.shouldstop:
+                self.queued.remove(job)
+                self._drop(job)
+            elif self._try_go(job):
+                self.queued.remove(job)
+            else:
+                blocked.add(scope)
 
     def _wait_for_turn(self, job: Job, item: pytest.Item, upcoming: Upcoming) -> None:
         while True:
@@ -169,6 +210,7 @@ class Scheduler:
             if session.shouldfail or session.shouldstop:
                 self._drop(job)  # as pytest: nothing new starts once the session stops
                 return
+            self._pump()  # the queued tests came first
             went = self._try_go(job)
             # Plan the next tests once this one holds its devices, and keep them
             # booting while it waits.
@@ -204,8 +246,9 @@ class Scheduler:
 
     def _dismiss_idle(self, keep: str = "") -> None:
         """Children waiting between tests of a scope other than ``keep`` get no more."""
+        queued = {q.plan.scope for q in self.queued}
         for job in self.jobs:
-            if job.state is State.HANDOVER and job.plan.scope != keep:
+            if job.state is State.HANDOVER and job.plan.scope not in (keep, *queued):
                 job.dismiss()
 
     def _adopt(self, job: Job) -> bool | None:
@@ -398,6 +441,8 @@ class Scheduler:
                 self._finished(job)
         for job in due:
             self._replay(job)
+        if self.queued:
+            self._pump()
 
     def _finished(self, job: Job) -> None:
         # A job that finished before its turn stays in ``ahead``: its turn replays it.
@@ -473,6 +518,9 @@ class Scheduler:
 
     def abort(self) -> None:
         """The session stops: end every child, report each running test as stopped."""
+        queued, self.queued = self.queued, []
+        for job in queued:
+            self._drop(job)  # never started: no report, as in-process
         for job in list(self.jobs):
             if not job.turned:
                 self.ahead.pop(job.item.nodeid, None)
@@ -485,6 +533,7 @@ class Scheduler:
         A child still booted ahead or running now has no turn or report to come (the run
         loop ended early: an error, an interrupt): it is ended, not waited for.
         """
+        self.queued = []
         self._dismiss_idle()
         for job in list(self.jobs):
             if job.state in LISTENING:
@@ -505,7 +554,7 @@ class Scheduler:
             self.graveyard.extend(job.take_retired())
             self._give_back(job)
             self._count(job)  # the run summary still tells what ran
-        self.jobs, self.ahead = [], {}
+        self.jobs, self.ahead, self.queued = [], {}, []
         end = time.monotonic() + 2.0  # for all of them together: SIGKILL is quick
         for child in self.graveyard:
             child.kill()

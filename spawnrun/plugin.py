@@ -311,7 +311,12 @@ def _scopes(
     for key, tests in members.items():
         shared = _scope_plan(key, tests)
         for item in tests:
-            item.stash[PLAN_KEY] = replace(shared, timeout=item.stash[PLAN_KEY].timeout)
+            own = item.stash[PLAN_KEY]
+            if key.startswith(_packing.TEMPLATE_SCOPE):
+                # Same devices and need (the key says so); each keeps why it runs alone.
+                item.stash[PLAN_KEY] = replace(own, scope=key)
+            else:
+                item.stash[PLAN_KEY] = replace(shared, timeout=own.timeout)
     config.stash[SCHEDULER_KEY].members = {k: [t.nodeid for t in v] for k, v in members.items()}
     groups = {k: v for k, v in members.items() if k.startswith("group ")}
     if not groups:

@@ -98,7 +98,9 @@ def test_too_large():
     "args",
     [
         pytest.param([], id="spawn"),
-        pytest.param(["--spawn-method", "forkserver"], id="forkserver"),
+        # Two booted ahead: the two tests after the exclusive pair (one template of the
+        # file's, forking both) get their children at once, so they always meet.
+        pytest.param(["--spawn-method", "forkserver", "--spawn-lookahead", "2"], id="forkserver"),
         pytest.param(["-n", "2"], id="xdist"),
     ],
 )

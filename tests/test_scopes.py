@@ -283,6 +283,46 @@ def test_the_next_scopes_child_boots_while_a_long_scope_runs(suite):
     assert rows["b imported"]["builds"] < rows["a2"]["builds"]  # booted by a's third test
 
 
+SIDE_BY_SIDE = """
+import time
+import pytest
+from record import record
+
+pytestmark = pytest.mark.gpu(count=0, scope="module")
+
+@pytest.mark.parametrize("i", range(3))
+def test_it(i):
+    record(f"{name}{{i}} start", int(time.time() * 1000))
+    time.sleep(0.4)
+    record(f"{name}{{i}} end", int(time.time() * 1000))
+    assert "{fail}" != f"{name}{{i}}"
+"""
+
+
+@pytest.mark.parametrize("fail", ["", "a0"])
+def test_modules_run_side_by_side_in_their_children(suite, fail):
+    # pytest walks the tests in order; a module's next test waits for its child, but
+    # the other modules' children run meanwhile. -x still stops everything.
+    for name in ("a", "b", "c"):
+        text = SIDE_BY_SIDE.format(name=name, fail=fail)
+        suite.makepyfile(**{f"test_{name}": textwrap.dedent(text)})
+    args = ["--spawn-jobs", "3", "-p", "no:cacheprovider"] + (["-x"] if fail else [])
+    result = suite.runpytest_subprocess(*args)
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    rows = seen(suite)
+    if fail:
+        assert result.ret == pytest.ExitCode.TESTS_FAILED
+        result.stdout.fnmatch_lines(["FAILED test_a.py::test_it[[]0[]]*"])
+        assert "a1 start" not in rows and "a2 start" not in rows
+        return
+    result.assert_outcomes(passed=9)
+    for name in ("a", "b", "c"):
+        assert len({rows[f"{name}{i} start"]["pid"] for i in range(3)}) == 1
+    # The next module's first test began before this module's second one ended.
+    assert rows["b0 start"]["builds"] < rows["a1 end"]["builds"]
+    assert rows["c0 start"]["builds"] < rows["b1 end"]["builds"]
+
+
 def test_under_xdist_loadfile_a_module_shares_its_workers_child(suite):
     pytest.importorskip("xdist")
     mark = 'pytestmark = pytest.mark.gpu(count=0, scope="module")'
