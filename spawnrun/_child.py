@@ -26,7 +26,6 @@ import threading
 import traceback
 import weakref
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import IO
 from typing import Any
 from typing import NoReturn
@@ -353,7 +352,7 @@ class _Relay:
             self.send(proto.Booted(os.getpid(), False, problem))
             self.booted = True
             return
-        unsafe = _template_refusal() if self.spec.fork_each else ""
+        unsafe = _zygote_refusal() if self.spec.fork_each else ""
         self.send(proto.Booted(os.getpid(), True, not_a_template=unsafe))
         self.booted = True
         try:
@@ -376,7 +375,9 @@ class _Relay:
         then = [by_id[n] for n in self.spec.then if n in by_id]
         if self.spec.fork_each:
             if not unsafe:
-                self._fork_each(item, then, by_id)
+                from spawnrun import _template  # it imports this module
+
+                _template.fork_each(self, item, then, by_id)
                 return
             then = []  # it runs its one test itself, then ends
         while True:
@@ -443,72 +444,6 @@ class _Relay:
         _take_environment(go)
         self.current = go.nodeid
         return item
-
-    def _fork_each(self, item: Any, then: list[Any], by_id: dict[str, Any]) -> None:
-        """A template: fork a fresh process for each test, from what is collected here.
-
-        Nothing of a test runs in the template: each fork sets up every fixture it needs
-        and tears all of them down (``nextitem=None``), as a child of its own would, and
-        says "done" itself. A fork that dies ends the template the same way, so its
-        test's report is a child's crash report and the rest go on in a fresh template.
-        """
-        forks = 0
-        while True:
-            forks += 1
-            self._fork_test(item, bool(then), forks)
-            if not then:
-                break
-            found = self._await_go(by_id)
-            if found is None:
-                break
-            then = then[then.index(found) + 1 :] if found in then else []
-            item = found
-        self.done = True  # the forks said "done"; what follows is told as After
-
-    def _fork_test(self, item: Any, more: bool, serial: int) -> None:
-        if self.sink is not None:
-            self.sink.flush()
-            self.terminal_from = os.path.getsize(self.sink.current)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        template = os.getpid()
-        pid = os.fork()
-        if pid == 0:
-            self._forked(item, more, serial, template)
-        # A timeout's stack dump is asked of this process: the test's is the fork's.
-        # (faulthandler reinstalls its handler only when it was unregistered first.)
-        faulthandler.unregister(DUMP_SIGNAL)
-        signal.signal(DUMP_SIGNAL, lambda *_: _signal_quietly(pid, DUMP_SIGNAL))
-        _, status = os.waitpid(pid, 0)  # retried after the handler (PEP 475)
-        signal.signal(DUMP_SIGNAL, signal.SIG_DFL)
-        faulthandler.register(DUMP_SIGNAL, file=self.stacks, all_threads=True, chain=False)
-        if os.WIFSIGNALED(status):
-            _die_by(os.WTERMSIG(status))
-        code = os.waitstatus_to_exitcode(status)
-        if code:
-            os._exit(code)
-
-    def _forked(self, item: Any, more: bool, serial: int, template: int) -> NoReturn:
-        try:
-            _probe.die_with_parent(template)
-            # Its stacks are the test's: where the template's would go (it forwards the
-            # parent's request), not among the processes below the test.
-            faulthandler.register(DUMP_SIGNAL, file=self.stacks, all_threads=True, chain=False)
-            self.send(proto.ForkedTest(os.getpid()))
-            _own_basetemp(item.config, serial)
-            self.current = item.nodeid
-            try:
-                self._run(item, None)
-            except (KeyboardInterrupt, pytest.exit.Exception):
-                leave(0)  # told (Interrupted, Done): the parent ends the session
-            if more:
-                self._done_for_now()
-            else:
-                self.finish()
-        except BaseException:  # noqa: BLE001 - the template ends with it: a crash report
-            traceback.print_exc()
-            leave(70)
-        leave(0)
 
     def _end_scope(self, session: Any) -> None:
         """Stopped between tests: tear the scope's fixtures down, free the devices."""
@@ -734,39 +669,11 @@ def _skip_library_finalizers() -> None:
             finalizer.atexit = False
 
 
-def _template_refusal() -> str:
+def _zygote_refusal() -> str:
     """Why this process may not fork its tests ("" if it may): the template's own rules."""
     from spawnrun import _zygote  # the template's module imports this one
 
     return _zygote.unsafe_state()
-
-
-def _own_basetemp(config: Any, serial: int) -> None:
-    """A forked test's own base for ``tmp_path``, as each spawned child has one.
-
-    pytest keeps the session's temporary-directory factory on the config, with no
-    public way to point it elsewhere: its given base is replaced before any test of
-    this process asks for it.
-    """
-    factory = getattr(config, "_tmp_path_factory", None)
-    base = getattr(config.option, "basetemp", None)
-    if factory is not None and base:
-        factory._given_basetemp = Path(os.path.abspath(f"{base}-{serial}"))
-        factory._basetemp = None
-
-
-def _signal_quietly(pid: int, signum: int) -> None:
-    with contextlib.suppress(OSError):  # it just ended
-        os.kill(pid, signum)
-
-
-def _die_by(signum: int) -> NoReturn:
-    """End this process by the signal that ended its fork (the parent tells which)."""
-    faulthandler.disable()  # the fork's stacks are written; none of ours
-    with contextlib.suppress(OSError, ValueError):
-        signal.signal(signum, signal.SIG_DFL)
-    os.kill(os.getpid(), signum)
-    os._exit(128 + signum)  # a signal that does not end a process by default
 
 
 def _peaks() -> tuple[int | None, int | None]:
