@@ -49,17 +49,15 @@ def boot(payload: bytes, conn: Any, target: str) -> None:
 
 
 def start() -> None:
-    global _writing
     directory = os.environ.pop(ENV, None)
-    if directory is None:
-        return
-    sys.pycache_prefix = directory
-    sys.dont_write_bytecode = False
-    _writing = True
+    if directory is not None:
+        write_into(directory)
 
 
 def write_into(directory: str) -> None:
-    """The parent, for its collection: what it compiles is there for its children.
+    """Write bytecode into ``directory`` (a child booting; the parent while it collects).
+
+    The parent, for its collection: what it compiles is there for its children.
 
     The parent imports the suite's libraries while it collects (torch, transformers):
     written to the children's directory, the first children load them compiled instead

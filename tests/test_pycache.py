@@ -26,18 +26,24 @@ def test_flags(i):
 """
 
 
-@pytest.mark.parametrize(
-    "method, mode", [("spawn", "auto"), ("forkserver", "auto"), ("spawn", "off")]
-)
-def test_children_keep_bytecode_but_their_tests_see_the_parents_settings(
-    pytester, monkeypatch, method, mode
-):
+def _no_bytecode(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch):
+    """A library on PYTHONPATH, bytecode writing off, and where the tests record."""
     libs = pytester.mkdir("libs")
     (libs / "slowlib.py").write_text("ANSWER = 42\n")
     monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     seen = pytester.path / "seen.jsonl"
     monkeypatch.setenv("SEEN", str(seen))
+    return libs, seen
+
+
+@pytest.mark.parametrize(
+    "method, mode", [("spawn", "auto"), ("forkserver", "auto"), ("spawn", "off")]
+)
+def test_children_keep_bytecode_but_their_tests_see_the_parents_settings(
+    pytester, monkeypatch, method, mode
+):
+    libs, seen = _no_bytecode(pytester, monkeypatch)
     pytester.makepyfile(test_suite=SUITE)
     args = ["--spawn-method", method, "--spawn-pycache", mode]
 
@@ -61,12 +67,7 @@ def test_children_keep_bytecode_but_their_tests_see_the_parents_settings(
 def test_the_parents_collection_leaves_bytecode_for_its_children(pytester, monkeypatch):
     # What the parent compiles while it collects, children load: written there too, and
     # the settings are back as they were before any test runs.
-    libs = pytester.mkdir("libs")
-    (libs / "slowlib.py").write_text("ANSWER = 42\n")
-    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
-    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
-    seen = pytester.path / "seen.jsonl"
-    monkeypatch.setenv("SEEN", str(seen))
+    libs, seen = _no_bytecode(pytester, monkeypatch)
     pytester.makepyfile(test_suite=SUITE.replace("@pytest.mark.gpu(count=0)\n", ""))
     pytester.runpytest_subprocess().assert_outcomes(passed=2)  # in-process: no child
     rows = [json.loads(line) for line in seen.read_text().splitlines()]
