@@ -309,14 +309,14 @@ def _scopes(
     gpus = len(config.stash[INVENTORY_KEY].ids)
     members = _split_templates(members, config.stash[SCHEDULER_KEY].limit, gpus)
     for key, tests in members.items():
+        if key.startswith(_packing.TEMPLATE_SCOPE):
+            # Same devices and need (the key says so); each keeps why it runs alone.
+            for item in tests:
+                item.stash[PLAN_KEY] = replace(item.stash[PLAN_KEY], scope=key)
+            continue
         shared = _scope_plan(key, tests)
         for item in tests:
-            own = item.stash[PLAN_KEY]
-            if key.startswith(_packing.TEMPLATE_SCOPE):
-                # Same devices and need (the key says so); each keeps why it runs alone.
-                item.stash[PLAN_KEY] = replace(own, scope=key)
-            else:
-                item.stash[PLAN_KEY] = replace(shared, timeout=own.timeout)
+            item.stash[PLAN_KEY] = replace(shared, timeout=item.stash[PLAN_KEY].timeout)
     config.stash[SCHEDULER_KEY].members = {k: [t.nodeid for t in v] for k, v in members.items()}
     groups = {k: v for k, v in members.items() if k.startswith("group ")}
     if not groups:
