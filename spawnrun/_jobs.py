@@ -1,11 +1,12 @@
 """One spawned test's life in the parent, as an explicit state machine.
 
-Runs in the parent. A ``Job`` owns one child process (and, on a fallback collection, its
-successor) and reacts to three kinds of event, each in a small handler that never
-blocks: a message from the child, the child's exit, and the job's next deadline. The
-scheduler (``_scheduler``) waits on every job's pipe, exit and deadline at once and
-calls these handlers; it decides *when* a job may start, the job decides *what* its
-child's messages mean.
+Runs in the parent. A ``Job`` is a test's record: the child running it (and, on a
+fallback collection or a crash rerun, its successor), its reports, its deadline. It
+reacts to three kinds of event, each in a small handler that never blocks: a message
+from the child, the child's exit, and the job's next deadline. The scheduler
+(``_scheduler``) waits on every job's pipe, exit and deadline at once and calls these
+handlers; it decides *when* a job may start, the job decides *what* its child's
+messages mean.
 
 States, in order (a job may skip some)::
 
@@ -14,39 +15,29 @@ States, in order (a job may skip some)::
     BOOTING   its turn came before it finished booting: it goes when booted
     RUNNING   go sent: setup, call, teardown
     DUMPING   timed out: its stacks are being written, then it is killed
-    EXITING   its test is over and reported; the process is ending
-    REAPING   the process is gone; what it left behind is being ended
-    SETTLING  waiting for NVML to stop listing its processes on its devices
-    FINISHED  devices free again
+    DONE      its reports are complete (or it was dropped before it ran)
 
-A test's reports are complete ("reported") from EXITING on, and are replayed by the
-scheduler then, not when the process has exited: the exit, the reaping and the wait for
-device memory are deadlines in the loop, off the test's critical path.
+At DONE the child is no longer the test's: an ``_ending.Ending`` takes it, with the
+devices it holds, through its exit, the reaping of what it left and the wait for its
+device memory (or keeps it for the scope's next test, which takes it back). The reports
+are replayed then, not when the process has exited: all of that is off the test's
+critical path.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import os
-import pickle
 import re
 import signal
 import time
 from collections.abc import Mapping
-from collections.abc import Sequence
-from dataclasses import dataclass
-from dataclasses import field
 from itertools import count
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from spawnrun import CHILD_ENV
-from spawnrun import _coverage
 from spawnrun import _devices
-from spawnrun import _forkserver
+from spawnrun import _ending
 from spawnrun import _inventory
 from spawnrun import _packing
 from spawnrun import _poison
@@ -54,66 +45,20 @@ from spawnrun import _protocol as proto
 from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _runner
-from spawnrun._budget import BUDGET_ENV
-from spawnrun._budget import INIT_LOCK_ENV
-from spawnrun._budget import INIT_SLOTS
-from spawnrun._budget import INIT_SLOTS_ENV
-from spawnrun._budget import SOURCE_ENV
+from spawnrun import _starting
 
-_serial = count(1)
 _claims = count(1)
 #: junitxml properties: the budget a test ran with, and the peak it is learned by.
 BUDGET_PROPERTY = "spawnrun_budget_mib"
 LEARNED_PEAK = "spawnrun_device_peak_mib"
 
 
-@dataclass(frozen=True)
-class Shared:
-    """What every child of the run gets from the parent, worked out once (session start)."""
-
-    options: dict[str, Any]
-    late_options: dict[str, bytes]
-    plugin_args: list[str]
-    workerinput: dict[str, Any] | None
-    junit_family: str
-    coverage: str
-    #: Set in every child's environment (``_bytecode``'s directory).
-    environ: dict[str, str] = field(default_factory=dict)
-
-
-def shared(config: pytest.Config, environ: Mapping[str, str]) -> Shared:
-    options, late = _runner.forwarded_options(config)
-    return Shared(
-        options=options,
-        late_options=late,
-        plugin_args=_runner.plugin_args(config),
-        workerinput=_workerinput(config),
-        junit_family=_junit_family(config),
-        coverage=_coverage.parent_config(),
-        environ=dict(environ),
-    )
-
-
-SHARED_KEY = pytest.StashKey[Shared]()
-#: Set with --spawn-method forkserver.
-ZYGOTE_KEY = pytest.StashKey[_forkserver.ZygoteHolder]()
-
 #: How long a child may take to boot once its turn has come (a hanging conftest).
 BOOT_LIMIT = 600.0
 #: How long faulthandler gets to write the stacks of a timed-out child.
 DUMP_LIMIT = 2.0
-#: After "done", how long a child may take to exit before what it left behind is ended
-#: (a library's own shutdown runs in its exit: vLLM stops its engine processes in about
-#: 5 s, and ending them under it leaks their shared memory), and before the child itself
-#: is killed.
-EXIT_GRACE = 15.0
-EXIT_KILL = 20.0
-#: Processes left behind get this long between SIGTERM and SIGKILL.
-REAP_GRACE = 2.0
-#: How long processes on their way out get before they count as left behind.
-REAP_PATIENCE = 0.3
 #: How often a state that watches something without an event looks again.
-POLL = 0.05
+POLL = _ending.POLL
 #: After a child's pipe ended, how long it gets to be seen exiting (its exit code tells
 #: how it died) before it counts as alive without its pipe and is killed.
 PIPE_GRACE = 1.0
@@ -125,12 +70,7 @@ class State(enum.Enum):
     BOOTING = "booting"
     RUNNING = "running"
     DUMPING = "dumping stacks"
-    EXITING = "exiting"
-    REAPING = "reaping"
-    SETTLING = "settling"
-    #: Its test is over; its child waits for the next test of its scope.
-    HANDOVER = "between tests"
-    FINISHED = "finished"
+    DONE = "done"
 
 
 #: States in which the child may still send messages about the test.
@@ -188,15 +128,16 @@ class Job:
         self.claimed: list[str] = []
         #: Whether another test held one of its devices while it ran.
         self.shared = False
-        #: NVML no longer lists its processes on its devices: they may be handed on now.
-        self.released = False
         self.replay = _replay.Replay(item)
-        self.candidates = _candidate_args(item, self.then)
+        self.candidates = _starting.candidate_args(item, self.then)
         self.problems: list[str] = []
         self.child: _runner.ChildProcess | None = None
         #: The devices it holds in the allocator (its planned ones, from its go on).
         self.held: list[str] = []
         self.boot_counted = False
+        #: Counted in the run summary: what it started, and the test itself.
+        self.counted = False
+        self.test_counted = False
         #: Children this job no longer needs (a fallback replaced one): to be reaped.
         self.retired: list[_runner.ChildProcess] = []
         self.state = State.AHEAD
@@ -210,20 +151,17 @@ class Job:
         #: on ("": it was closed).
         self.pipe_ended: float | None = None
         self.pipe_problem = ""
-        #: When the current state's watch started (dump, exit, reap, settle).
+        #: When the current state's watch started (the stack dump).
         self.since = 0.0
         self.started = time.monotonic()
         self.went = 0.0
         self.boot_seconds: float | None = None
         self.pids: set[int] = set()
         self.left_behind: list[int] = []
+        #: Processes left behind by a child that died or timed out, ended with it.
         self.reaped_count = 0
-        self.term_sent = 0.0
-        #: Why the child had to be killed after its test ended ("" if it exited).
-        self.stuck = ""
-        #: Errors the child met after "done" (its session end).
-        self.after_notes: list[str] = []
-        self.settled_after = 0.0
+        #: Its child once its test is over: exiting, or waiting for the scope's next test.
+        self.ending: _ending.Ending | None = None
         self.phase_at_timeout = ""
         #: The limit that ran out (the test's timeout, or the boot limit).
         self.limit: float | None = None
@@ -248,23 +186,7 @@ class Job:
     # Starting --------------------------------------------------------------------
 
     def env(self) -> dict[str, str]:
-        # Its devices' tokens in the vendor's visibility variables (none: hidden).
-        env = {CHILD_ENV: "1", **_inventory.child_env(self.devices, self.plan.every)}
-        need = self.plan.need
-        if need is not _packing.ALONE:
-            # Its budget, before any of its code runs: torch gets it at CUDA's init
-            # (``_budget``), JAX reads these itself.
-            env[BUDGET_ENV] = str(need)
-            env[SOURCE_ENV] = self.plan.budget_source
-            env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-            if self.devices:
-                env[INIT_LOCK_ENV] = str(_init_lock(self.item.config, self.devices[0]))
-                env[INIT_SLOTS_ENV] = os.environ.get(INIT_SLOTS_ENV, str(INIT_SLOTS))
-            sizes = [self.capacity.get(d) for d in self.devices or self.capacity]
-            known = [c for c in sizes if c]
-            if known and len(known) == len(sizes):
-                env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(1.0, need / min(known)):.4f}"
-        return env
+        return _starting.child_env(self.item, self.plan, self.devices, self.capacity)
 
     def start(self) -> None:
         """Start the child (ahead of the turn, or at it) with its final environment.
@@ -276,14 +198,15 @@ class Job:
         try:
             template = self.plan.scope.startswith(_packing.TEMPLATE_SCOPE)
             args = self.candidates[0]
-            child = _start(self.item, args, self.env(), self.executions, self.then, template)
+            env, then = self.env(), self.then
+            child = _starting.start(self.item, args, env, self.executions, then, template)
         except Exception as exc:  # noqa: BLE001 - the test's failure, never the run's end
             self.child = None
             if self.turned:
                 text = f"{_reports.NOT_STARTED}: {type(exc).__name__}: {exc}\nnode id: "
                 self.replay.fail("setup", text + self.item.nodeid)
                 self.replay.ensure_teardown()
-                self.state, self.deadline = State.FINISHED, None
+                self.state, self.deadline = State.DONE, None
             return
         self.candidates.pop(0)
         if template and not child.spec.fork_each:
@@ -328,16 +251,24 @@ class Job:
             self.state = State.BOOTING
             self._arm()
 
-    def adopt(self, donor: Job) -> None:
-        """Take over the child of the scope's previous test, its devices and claims."""
-        self.child, donor.child = donor.child, None
-        assert self.child is not None
+    def adopt(self, donor: Job) -> bool:
+        """Take over the child of the scope's previous test, its devices and claims.
+
+        False: its child is not waiting between tests (gone meanwhile, or replaced).
+        """
+        ending = donor.ending
+        if ending is None:
+            return False
+        held = ending.held
+        child = ending.take()
+        if child is None:
+            return False
+        self.child = child
         self.adopted = True
-        self.pids = set(donor.pids)
+        self.pids = set(ending.pids)
         self.template_pid = donor.template_pid
-        self.devices, self.claimed = donor.devices, donor.claimed
-        self.held, donor.held = donor.held, []
-        self.token = donor.token
+        self.devices, self.claimed, self.held = ending.devices, ending.claimed, held
+        self.token = ending.token
         # The child's environment now: as at its start, with every go's changes since.
         self.environ = {**donor.environ, **donor.env_set}
         for name in donor.env_unset:
@@ -346,13 +277,7 @@ class Job:
         self.candidates = []
         self.started = time.monotonic()
         self.state = State.WAITING
-        donor.state, donor.deadline = State.FINISHED, None
-
-    def dismiss(self) -> None:
-        """No next test for the child waiting between tests: it tears down and ends."""
-        if self.state is State.HANDOVER and self.child is not None:
-            self.child.stop()
-            self._to(State.EXITING)
+        return True
 
     def _send_go(self) -> None:
         assert self.child is not None
@@ -372,16 +297,11 @@ class Job:
             self.deadline = now + max(BOOT_LIMIT, self.timeout or 0.0)
         elif self.state is State.RUNNING:
             self.deadline = now + self.timeout if self.timeout is not None else None
-        elif self.state is State.AHEAD or self.state is State.WAITING:
-            self.deadline = None
-        elif self.state is State.EXITING:
-            # The exit itself is an event (the sentinel); the deadline is only for a
-            # child that does not leave, and for watching its devices be released.
-            self.since = now
-            self.deadline = now + (POLL if self._watching_release() else EXIT_GRACE)
-        else:
+        elif self.state is State.DUMPING:
             self.since = now
             self.deadline = now + POLL
+        else:
+            self.deadline = None
 
     # Events ------------------------------------------------------------------------
 
@@ -391,8 +311,9 @@ class Job:
         return self.state not in LISTENING
 
     def on_message(self, msg: proto.Message | _runner.Died) -> None:
-        if isinstance(msg, proto.After):
-            self.after_notes += msg.notes  # told as a warning when the job finishes
+        if isinstance(msg, proto.After):  # its session's end, after "done"
+            if self.ending is not None:
+                self.ending.on_message(msg)
             return
         if isinstance(msg, proto.XmlAttribute):
             self.replay.xml_attributes.append((msg.name, msg.value))
@@ -483,15 +404,20 @@ class Job:
         child = self.child
         assert child is not None
         for msg in child.messages():  # a dead child may still have words in the pipe
-            if self.child is not child:
-                return  # replaced (a fallback): its successor is watched from now on
-            self.on_message(msg)
+            if self.child is child:
+                self.on_message(msg)
+            elif self.ending is not None and self.ending.child is child:
+                self.ending.on_message(msg)  # its test is over: its last words
+            else:
+                break  # replaced (a fallback): its successor is watched from now on
         if self.state in LISTENING and self.child is child:
             self._pipe_ended("")  # gone without its "done" (a process it left holds the pipe)
-        if not child.gone:
+        ending = self.ending
+        if ending is not None and ending.child is child:
+            if not child.gone:
+                ending.on_exit()
+        elif self.child is child and not child.gone:
             child.reaped()
-            if self.state is State.EXITING or self.state is State.HANDOVER:
-                self._to(State.REAPING)
 
     def on_deadline(self, now: float) -> None:
         if self.deadline is None or now < self.deadline:
@@ -503,12 +429,6 @@ class Job:
             self._start_dump()
         elif state is State.DUMPING:
             self._poll_dump(now)
-        elif state is State.EXITING:
-            self._poll_exit(now)
-        elif state is State.REAPING:
-            self._poll_reap(now)
-        elif state is State.SETTLING:
-            self._poll_settle(now)
 
     def abort(self, reason: str, report: bool = True) -> None:
         """End the child now (-x, an interrupt elsewhere); a test with its turn says so.
@@ -516,19 +436,21 @@ class Job:
         ``report=False``: the session was interrupted, and as in-process a test that
         did not finish has no report.
         """
-        if self.child is None:
-            if self.state in LISTENING:  # its turn came, but it never started
-                self.turned = False
-                self.state, self.deadline = State.FINISHED, None
+        if self.state not in LISTENING:
+            if self.ending is not None:
+                self.ending.abort()
+            return
+        if self.child is None:  # its turn came, but it never started
+            self.turned = False
+            self.state, self.deadline = State.DONE, None
             return
         self.child.kill()
-        if self.state in LISTENING:
-            if report and self.turned and self.interrupted is None:
-                skipped = (str(self.item.path), (self.item.location[1] or 0) + 1, reason)
-                phase = self.replay.pending_phase()
-                self.replay.add(_reports.make(self.item, phase, "skipped", skipped))
-                self.replay.ensure_teardown()
-            self._to(State.EXITING)
+        if report and self.turned and self.interrupted is None:
+            skipped = (str(self.item.path), (self.item.location[1] or 0) + 1, reason)
+            phase = self.replay.pending_phase()
+            self.replay.add(_reports.make(self.item, phase, "skipped", skipped))
+            self.replay.ensure_teardown()
+        self._leave(_ending.Stage.EXITING)
 
     # Transitions -------------------------------------------------------------------
 
@@ -565,13 +487,36 @@ class Job:
                 self.replay.note_failure(_reports.REPLACED_TITLE, text)
         if child.gone or child.exitcode is not None:
             child.reaped()
-            self._to(State.REAPING)
+            self._leave(_ending.Stage.REAPING)
         elif handover and not self.replaced:
-            self.state, self.deadline = State.HANDOVER, None
+            self._leave(_ending.Stage.HANDOVER)
         else:
             if handover:
                 child.stop()
-            self._to(State.EXITING)
+            self._leave(_ending.Stage.EXITING)
+
+    def _leave(self, stage: _ending.Stage) -> None:
+        """The test is over: its child, with the devices it holds, is the ending's now."""
+        child = self.child
+        assert child is not None
+        self.ending = _ending.Ending(
+            self.item,
+            child,
+            stage,
+            scope=self.plan.scope,
+            devices=self.devices,
+            claimed=self.claimed,
+            held=self.held,
+            token=self.token,
+            settle=self.settle,
+            pids=set(self.pids),
+            left_behind=list(self.left_behind),
+            forked_pid=self.forked_pid,
+            reaped=self.reaped_count,
+        )
+        self.reaped_count = 0  # the ending counts them from now on
+        self.child, self.held = None, []
+        self.state, self.deadline = State.DONE, None
 
     def _holds_too_much(self) -> str:
         """Why the child holds too much device memory to go on ("" if it does not)."""
@@ -704,72 +649,6 @@ class Job:
         self.start()
         return True
 
-    def _watching_release(self) -> bool:
-        """Whether its devices may be handed on before its exit: NVML can tell."""
-        return bool(self.claimed) and not self.released and _devices.nvml_available()
-
-    def _check_release(self) -> None:
-        """The child freed its contexts after its test: hand the devices on once NVML
-        lists none of its processes on them (nor any process of its group)."""
-        assert self.child is not None
-        pids = self.pids | set(self.left_behind) | set(_runner.group_members(self.child.pid))
-        if _devices.still_held(self.claimed, pids) is False:
-            self.released = True
-
-    def _poll_exit(self, now: float) -> None:
-        """After "done": the child should be on its way out; help it if it is stuck."""
-        assert self.child is not None
-        waited = now - self.since
-        if self._watching_release():
-            self._check_release()
-        if waited < EXIT_GRACE:
-            self.deadline = self.since + EXIT_GRACE
-            if self._watching_release():
-                self.deadline = min(self.deadline, now + POLL)
-            return
-        if waited >= EXIT_KILL:
-            if not self.stuck:
-                self.stuck = _reports.STUCK_EXIT.format(s=EXIT_KILL)
-            self.child.kill()
-        elif waited >= EXIT_GRACE and not self.left_behind:
-            # multiprocessing joins non-daemonic children at exit: a child may be
-            # waiting for what its test left behind. End those first.
-            self.left_behind = self._others()
-            self.reaped_count += len(self.left_behind)
-            _runner.signal_pids(self.left_behind, signal.SIGTERM)
-        self.deadline = self.since + EXIT_KILL if waited < EXIT_KILL else now + 1.0
-
-    def _poll_reap(self, now: float) -> None:
-        """The child is gone; end what its test left in its group or session."""
-        assert self.child is not None
-        others = _runner.group_members(self.child.pid)
-        if not others:
-            self._to(State.SETTLING)
-            self._poll_settle(now)
-            return
-        self.deadline = now + POLL
-        if now - self.since < REAP_PATIENCE:
-            return  # processes already on their way out may finish by themselves
-        new = [p for p in others if p not in self.left_behind]
-        if new:
-            self.left_behind += new
-            self.reaped_count += len(new)
-            _runner.signal_pids(new, signal.SIGTERM)
-            self.term_sent = now
-        elif now - self.term_sent >= REAP_GRACE:
-            _runner.signal_pids(others, signal.SIGKILL)
-
-    def _poll_settle(self, now: float) -> None:
-        held = None
-        if self.devices and self.settle:
-            held = _devices.still_held(self.devices, self.pids | set(self.left_behind))
-        if held and now - self.since < (self.settle or 0.0):
-            self.deadline = now + 2 * POLL
-            return
-        self.settled_after = now - self.since
-        self.state = State.FINISHED
-        self.deadline = None
-
     def retire_child(self) -> None:
         """Kill the current child (a fallback or a replan replaces it); reaped elsewhere."""
         if self.child is not None:
@@ -782,27 +661,7 @@ class Job:
         return retired
 
     def reset_candidates(self) -> None:
-        self.candidates = _candidate_args(self.item, self.then)
-
-
-def _init_lock(config: pytest.Config, device: str) -> Path:
-    """The lock children sharing ``device`` create their CUDA contexts under.
-
-    In the run's own directory, shared by its xdist workers (the ledger's private
-    directory) or below the session's basetemp.
-    """
-    shared = getattr(config, "workerinput", {}).get("spawnrun_ledger")
-    directory = Path(shared) if shared else _runner.parent_basetemp(config) / "spawnrun"
-    directory.mkdir(parents=True, exist_ok=True)
-    safe = "".join(c if c.isalnum() or c == "-" else "_" for c in device)
-    return directory / f"cuda-init-{safe}.lock"  # slots: <this>-0, <this>-1, ...
-
-
-def _junit_family(config: pytest.Config) -> str:
-    """The family of the junitxml file this process writes ("" when it writes none)."""
-    if not config.option.xmlpath or hasattr(config, "workerinput"):
-        return ""  # an xdist worker: the controller writes it, as in-process
-    return str(config.getini("junit_family"))
+        self.candidates = _starting.candidate_args(self.item, self.then)
 
 
 def _rerun_limit(item: pytest.Item) -> int | None:
@@ -819,71 +678,3 @@ def _rerun_limit(item: pytest.Item) -> int | None:
         return None if count is None else int(count)
     except Exception:  # noqa: BLE001 - a foreign plugin's trouble must not end the run
         return None
-
-
-def _workerinput(config: pytest.Config) -> dict[str, Any] | None:
-    workerinput = getattr(config, "workerinput", None)
-    if not isinstance(workerinput, dict):
-        return None
-    plain = {}
-    for key, value in workerinput.items():
-        try:
-            pickle.dumps(value)
-        except Exception:  # noqa: BLE001 - what does not pickle stays behind
-            continue
-        plain[key] = value
-    return plain
-
-
-def _candidate_args(item: pytest.Item, then: Sequence[str] = ()) -> list[list[str]]:
-    """The test's file alone first (cheap), with those of its scope's later tests; what
-    the parent collected on fallback."""
-    first = [str(item.path)]
-    for nodeid in then:
-        path = str(item.config.rootpath / nodeid.split("::")[0])
-        if path not in first:
-            first.append(path)
-    fallback = list(item.config.args)
-    return [first] if fallback == first else [first, fallback]
-
-
-def _start(
-    item: pytest.Item,
-    args: list[str],
-    env: Mapping[str, str],
-    executions: int = 0,
-    then: Sequence[str] = (),
-    template: bool = False,
-) -> _runner.ChildProcess:
-    config = item.config
-    workdir = _runner.child_dir(config, item.nodeid, next(_serial))
-    workdir.mkdir(parents=True, exist_ok=True)
-    run = config.stash[SHARED_KEY]
-    live = config.getoption("capture") == "no"
-    spec = proto.ChildSpec(
-        nodeid=item.nodeid,
-        args=args,
-        plugin_args=run.plugin_args,
-        option_dict=dict(run.options, basetemp=str(workdir / "tmp")),
-        invocation_dir=str(config.invocation_params.dir),
-        log_path=None if live else str(workdir / "output.log"),
-        stacks_path=str(workdir / "stacks.txt"),
-        params=proto.bindings(item),
-        workerinput=run.workerinput,
-        late_options=run.late_options,
-        executions=executions,
-        junit_family=run.junit_family,
-        coverage=run.coverage,
-        then=list(then),
-        fork_each=template,
-    )
-    env = {**run.environ, **env}
-    holder = config.stash.get(ZYGOTE_KEY, None)
-    if holder is not None:
-        forked = holder.fork(config, spec, env)
-        if forked is not None:
-            return forked
-    if spec.fork_each:
-        # The forkserver is off: every test spawns, this one alone in its child.
-        spec = dataclasses.replace(spec, fork_each=False, then=[])
-    return _runner.ChildProcess(spec, env=env)

@@ -52,7 +52,9 @@ from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _status
-from spawnrun._jobs import EXIT_KILL
+from spawnrun._ending import EXIT_KILL
+from spawnrun._ending import Ending
+from spawnrun._ending import Stage
 from spawnrun._jobs import IN_SLOT
 from spawnrun._jobs import LISTENING
 from spawnrun._jobs import Job
@@ -85,8 +87,11 @@ class Scheduler:
         self.settle = settle
         self.lookahead = lookahead
         self.zygote = zygote
-        #: Every job not yet finished, in the order they were created.
+        #: Every job not yet done, in the order they were created.
         self.jobs: list[Job] = []
+        #: The children of tests that are done, until they are gone (each with its
+        #: test's job, counted then).
+        self.endings: dict[Ending, Job] = {}
         #: Jobs booted ahead of their turn, by node id.
         self.ahead: dict[str, Job] = {}
         #: Children no job needs any more (killed), until they are gone.
@@ -158,7 +163,7 @@ class Scheduler:
             job.replay.start()  # one at a time: its line shows while it runs, as in-process
         if job.reported:
             # Its child died while booting ahead: that is the test's report.
-            if job not in self.jobs:  # it finished before its turn: count it now
+            if job.counted:  # it finished before its turn: count it now
                 self._count_test(job)
             job.replayed = True
             self._replay(job)
@@ -247,9 +252,9 @@ class Scheduler:
     def _dismiss_idle(self, keep: str = "") -> None:
         """Children waiting between tests of a scope other than ``keep`` get no more."""
         queued = {q.plan.scope for q in self.queued}
-        for job in self.jobs:
-            if job.state is State.HANDOVER and job.plan.scope not in (keep, *queued):
-                job.dismiss()
+        for ending in self.endings:
+            if ending.stage is Stage.HANDOVER and ending.scope not in (keep, *queued):
+                ending.dismiss()
 
     def _adopt(self, job: Job) -> bool | None:
         """A scope's next test: its child is ours once the previous test is done.
@@ -258,17 +263,19 @@ class Scheduler:
         adopt (the first of its scope, or the last one ended), start one.
         """
         donor = self.scope_job.get(job.plan.scope)
-        if donor is None or donor is job or donor not in self.jobs:
+        if donor is None or donor is job:
             return None
-        if donor.state in LISTENING and donor.turned:
+        if donor in self.jobs and donor.state in LISTENING and donor.turned:
             return False
-        if donor.state is not State.HANDOVER or donor.child is None or donor.child.gone:
+        ending = donor.ending
+        if ending not in self.endings or ending is None or ending.stage is not Stage.HANDOVER:
+            return None
+        if ending.child is None or ending.child.gone:
             return None
         if job.child is not None:  # booted ahead after all: not needed
             job.retire_child()
             self.graveyard.extend(job.take_retired())
-        job.adopt(donor)
-        return True
+        return job.adopt(donor) or None
 
     def _try_go(self, job: Job) -> bool:
         if self._in_slots() >= self.limit:
@@ -320,6 +327,9 @@ class Scheduler:
         for other in self.jobs:
             if other is not job and mine & set(other.held):
                 other.shared = job.shared = True
+        for ending, owner in self.endings.items():
+            if mine & set(ending.held):  # a test's child on its way out still holds it
+                owner.shared = job.shared = True
 
     def _replan(self, job: Job, devices: list[str]) -> None:
         """Replace a booted-ahead child planned on busy devices by one on free devices."""
@@ -366,10 +376,11 @@ class Scheduler:
 
     def _plan(self, count: int) -> list[str]:
         load: dict[str, int] = {}
-        for job in self.jobs:
-            for device in job.devices:
+        holders: list[Job | Ending] = [*self.jobs, *self.endings]
+        for holder in holders:
+            for device in holder.devices:
                 load[device] = load.get(device, 0) + 1
-        ours = {d for j in self.jobs for d in j.held}
+        ours = {d for h in holders for d in h.held}
         for device in set(self.allocator.ids) - set(self.allocator.free()) - ours:
             # Held by another xdist worker, whose next test may well be planned on it too.
             load[device] = load.get(device, 0) + 2
@@ -386,9 +397,16 @@ class Scheduler:
             child = job.child
             if child is None or child.gone:
                 continue
-            if child.conn is not None and (job.state in LISTENING or job.state is State.EXITING):
+            if child.conn is not None and job.state in LISTENING:
                 events[child.conn] = ("message", job)
             events[child.sentinel] = ("exit", job)
+        for ending in self.endings:
+            child = ending.child
+            if child is None or child.gone:
+                continue
+            if child.conn is not None and ending.listening:
+                events[child.conn] = ("last words", ending)
+            events[child.sentinel] = ("gone", ending)
         self.graveyard = [dead for dead in self.graveyard if not dead.gone]
         for dead in self.graveyard:
             events[dead.sentinel] = ("grave", dead)
@@ -396,6 +414,7 @@ class Scheduler:
         if zygote is not None and zygote.listening:
             events[zygote.conn] = ("zygote", zygote)
         deadlines = [j.deadline for j in self.jobs if j.deadline is not None]
+        deadlines += [e.deadline for e in self.endings if e.deadline is not None]
         if deadlines:
             until = max(0.0, min(deadlines) - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
@@ -409,10 +428,18 @@ class Scheduler:
             if kind == "message" and target.child is not None and target.child.conn is key:
                 child = target.child
                 for msg in child.messages():
-                    if target.child is not child:
+                    if target.child is child:
+                        target.on_message(msg)
+                    elif target.ending is not None and target.ending.child is child:
+                        target.ending.on_message(msg)  # after "done": its session's end
+                    else:
                         break  # replaced (a fallback): the rest is the old child's
-                    target.on_message(msg)
             elif kind == "exit" and target.child is not None and target.child.sentinel is key:
+                target.on_exit()
+            elif kind == "last words" and target.child is not None and target.child.conn is key:
+                for msg in target.child.messages():
+                    target.on_message(msg)
+            elif kind == "gone" and target.child is not None and target.child.sentinel is key:
                 target.on_exit()
             elif kind == "grave":  # its pidfd: it has exited, reaping it does not wait
                 target.reaped()
@@ -420,6 +447,8 @@ class Scheduler:
         now = time.monotonic()
         for job in list(self.jobs):
             job.on_deadline(now)
+        for ending in list(self.endings):
+            ending.on_deadline(now)
         self._after_events()
         if self.status is not None:
             self.status.update(self.running())
@@ -429,40 +458,51 @@ class Scheduler:
         due = []
         for job in list(self.jobs):
             self.graveyard.extend(job.take_retired())
-            if job.released and job.held:
-                self._give_back(job)  # NVML lists none of its processes any more
             if job.boot_seconds is not None and not job.boot_counted:
                 job.boot_counted = True
                 self.boot_times.append(job.boot_seconds)
             if job.turned and job.reported and not job.replayed:
                 job.replayed = True
                 due.append(job)
-            if job.state is State.FINISHED:
-                self._finished(job)
+            if job.state is State.DONE:
+                self._done(job)
+        for ending, owner in list(self.endings.items()):
+            if ending.released and ending.held:
+                self._give_back(ending)  # NVML lists none of its processes any more
+            if ending.stage is Stage.GONE:
+                self._gone(ending, owner)
         for job in due:
             self._replay(job)
         if self.queued:
             self._pump()
 
-    def _finished(self, job: Job) -> None:
-        # A job that finished before its turn stays in ``ahead``: its turn replays it.
+    def _done(self, job: Job) -> None:
+        """A test is over: its child's ending goes on; the test is counted at its end.
+
+        A job done before its turn stays in ``ahead``: its turn replays it.
+        """
         self.jobs.remove(job)
+        if job.ending is not None:
+            self.endings[job.ending] = job
+        else:
+            self._count(job)
+
+    def _gone(self, ending: Ending, job: Job) -> None:
+        """A test's child is gone and its devices released: what it did is counted."""
+        del self.endings[ending]
+        self._give_back(ending)
+        self.reaped += ending.reaped_count
         self._count(job)
-        self._give_back(job)
-        if job.settled_after > 1.0:
-            self.long_settles.append((job.item.nodeid, job.settled_after))
-        texts = [job.stuck] if job.stuck else []
-        texts += [f"{_reports.CHILD_NOTES} (after the test):\n{n}" for n in job.after_notes]
-        if job.reaped_count:
-            texts.append(_reports.REAPED.format(n=job.reaped_count))
-        for text in texts if job.turned else []:
+        if ending.settled_after > 1.0:
+            self.long_settles.append((job.item.nodeid, ending.settled_after))
+        for text in ending.warnings() if job.turned else []:
             warning = _reports.warning(text, str(job.item.path), (job.item.location[1] or 0) + 1)
             _reports.record_warning(job.item.config, warning, job.item.nodeid)
 
-    def _give_back(self, job: Job) -> None:
-        held, job.held = job.held, []
+    def _give_back(self, holder: Job | Ending) -> None:
+        held, holder.held = holder.held, []
         if held:
-            self.allocator.give_back(held, job.token)
+            self.allocator.give_back(held, holder.token)
 
     def _replay(self, job: Job) -> None:
         """Replay what the child reported; re-raise its pytest.exit / KeyboardInterrupt."""
@@ -525,6 +565,8 @@ class Scheduler:
             if not job.turned:
                 self.ahead.pop(job.item.nodeid, None)
             job.abort(STOPPED)
+        for ending in self.endings:
+            ending.abort()
         self._after_events()
 
     def finish(self, limit: float = EXIT_KILL + 5.0) -> None:
@@ -541,7 +583,7 @@ class Scheduler:
                 job.abort(STOPPED, report=False)
         self.ahead = {}
         end = time.monotonic() + limit
-        while (self.jobs or self.graveyard) and time.monotonic() < end:
+        while (self.jobs or self.endings or self.graveyard) and time.monotonic() < end:
             self.loop_once(min(1.0, max(0.0, end - time.monotonic())))
         self.kill_all()
 
@@ -554,7 +596,14 @@ class Scheduler:
             self.graveyard.extend(job.take_retired())
             self._give_back(job)
             self._count(job)  # the run summary still tells what ran
-        self.jobs, self.ahead, self.queued = [], {}, []
+        for ending, owner in self.endings.items():
+            if ending.child is not None:
+                ending.child.kill()
+                self.graveyard.append(ending.child)
+            self._give_back(ending)
+            self.reaped += ending.reaped_count
+            self._count(owner)
+        self.jobs, self.endings, self.ahead, self.queued = [], {}, {}, []
         end = time.monotonic() + 2.0  # for all of them together: SIGKILL is quick
         for child in self.graveyard:
             child.kill()
@@ -565,6 +614,7 @@ class Scheduler:
     # Summary -------------------------------------------------------------------------
 
     def _count(self, job: Job) -> None:
+        job.counted = True
         self.children += job.children_started
         if job.template_pid and job.went:
             self.forks += 1
@@ -575,6 +625,9 @@ class Scheduler:
         # turn is still to come (its child died meanwhile): counted at its turn.
 
     def _count_test(self, job: Job) -> None:
+        if job.test_counted:
+            return
+        job.test_counted = True
         self.isolated += 1
         self.replaced += bool(job.replaced)
         self.crashes += job.crashes

@@ -35,6 +35,7 @@ from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _scheduler
 from spawnrun import _settings
+from spawnrun import _starting
 from spawnrun import _status
 
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
@@ -136,7 +137,9 @@ def pytest_configure(config: pytest.Config) -> None:
         lookahead = _settings.default_lookahead()
     holder = None
     if settings.method == "forkserver" and not _xdist_controller(config):
-        holder = config.stash[_jobs.ZYGOTE_KEY] = _forkserver.ZygoteHolder(list(settings.preload))
+        holder = config.stash[_starting.ZYGOTE_KEY] = _forkserver.ZygoteHolder(
+            list(settings.preload)
+        )
     scheduler = config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
         _devices.allocator_for(inventory.ids, ledger, capacity, per_gpu),
         limit,
@@ -228,8 +231,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         environ[_bytecode.ENV] = _pycache_dir(config)
         _bytecode.write_into(environ[_bytecode.ENV])  # until collection ends
         config.add_cleanup(_bytecode.stop)  # a collection that never ends, too
-    config.stash[_jobs.SHARED_KEY] = _jobs.shared(config, environ)
-    holder = config.stash.get(_jobs.ZYGOTE_KEY, None)
+    config.stash[_starting.SHARED_KEY] = _starting.shared(config, environ)
+    holder = config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         holder.child_environ = environ
         holder.start(config)
@@ -255,7 +258,7 @@ def pytest_collectstart() -> None:
 @pytest.hookimpl
 def pytest_collection_finish(session: pytest.Session) -> None:
     _bytecode.stop()  # the tests see bytecode settings as they were
-    holder = session.config.stash.get(_jobs.ZYGOTE_KEY, None)
+    holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         holder.collected()  # preload in the template what collection imported
 
@@ -669,7 +672,7 @@ class _AfterEachTest:
         elif nextitem is None:
             # The last test: wait for all children now, so the exit status counts them.
             scheduler.last()
-            if item.config.stash[_jobs.SHARED_KEY].coverage:
+            if item.config.stash[_starting.SHARED_KEY].coverage:
                 # And for them to be gone: their coverage data is saved as they leave,
                 # and pytest-cov combines it when the run loop ends (before sessionfinish).
                 scheduler.finish()
@@ -691,7 +694,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         scheduler.kill_all()
     else:
         scheduler.finish()  # children still exiting, reaping or settling
-    holder = session.config.stash.get(_jobs.ZYGOTE_KEY, None)
+    holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         holder.close()
     # Children finish in any order; the summary lists tests in collection order.

@@ -753,17 +753,17 @@ def test_a_child_that_cannot_be_started_fails_its_test(pytester):
     pytester.makeconftest(
         """
         import os
-        import spawnrun._jobs
+        import spawnrun._starting
 
         if os.environ.get("SPAWNRUN_CHILD") != "1":
-            start = spawnrun._jobs._start
+            start = spawnrun._starting.start
 
             def refuse(item, *args, **kwargs):
                 if "cannot" in item.name:
                     raise BlockingIOError(11, "Resource temporarily unavailable")
                 return start(item, *args, **kwargs)
 
-            spawnrun._jobs._start = refuse
+            spawnrun._starting.start = refuse
         """
     )
     pytester.makepyfile(

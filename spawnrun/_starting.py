@@ -1,0 +1,183 @@
+"""What a test's child is started with: its options, environment and spec.
+
+Runs in the parent. ``Shared`` is what every child of the run gets (worked out once, at
+session start); ``child_env`` what one test's child gets on top (its devices, its
+budget); ``start`` makes the child's spec and starts it, forked from the zygote in fast
+mode, else spawned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spawnrun import CHILD_ENV
+from spawnrun import _coverage
+from spawnrun import _forkserver
+from spawnrun import _inventory
+from spawnrun import _packing
+from spawnrun import _protocol as proto
+from spawnrun import _runner
+from spawnrun._budget import BUDGET_ENV
+from spawnrun._budget import INIT_LOCK_ENV
+from spawnrun._budget import INIT_SLOTS
+from spawnrun._budget import INIT_SLOTS_ENV
+from spawnrun._budget import SOURCE_ENV
+
+_serial = count(1)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every child of the run gets from the parent, worked out once (session start)."""
+
+    options: dict[str, Any]
+    late_options: dict[str, bytes]
+    plugin_args: list[str]
+    workerinput: dict[str, Any] | None
+    junit_family: str
+    coverage: str
+    #: Set in every child's environment (``_bytecode``'s directory).
+    environ: dict[str, str] = field(default_factory=dict)
+
+
+def shared(config: pytest.Config, environ: Mapping[str, str]) -> Shared:
+    options, late = _runner.forwarded_options(config)
+    return Shared(
+        options=options,
+        late_options=late,
+        plugin_args=_runner.plugin_args(config),
+        workerinput=_workerinput(config),
+        junit_family=_junit_family(config),
+        coverage=_coverage.parent_config(),
+        environ=dict(environ),
+    )
+
+
+SHARED_KEY = pytest.StashKey[Shared]()
+#: Set with --spawn-method forkserver.
+ZYGOTE_KEY = pytest.StashKey[_forkserver.ZygoteHolder]()
+
+
+def child_env(
+    item: pytest.Item,
+    plan: _packing.Plan,
+    devices: list[str],
+    capacity: Mapping[str, int | None],
+) -> dict[str, str]:
+    """What a test's child gets in its environment from its first instruction on."""
+    # Its devices' tokens in the vendor's visibility variables (none: hidden).
+    env = {CHILD_ENV: "1", **_inventory.child_env(devices, plan.every)}
+    need = plan.need
+    if need is not _packing.ALONE:
+        # Its budget, before any of its code runs: torch gets it at CUDA's init
+        # (``_budget``), JAX reads these itself.
+        env[BUDGET_ENV] = str(need)
+        env[SOURCE_ENV] = plan.budget_source
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        if devices:
+            env[INIT_LOCK_ENV] = str(_init_lock(item.config, devices[0]))
+            env[INIT_SLOTS_ENV] = os.environ.get(INIT_SLOTS_ENV, str(INIT_SLOTS))
+        sizes = [capacity.get(d) for d in devices or capacity]
+        known = [c for c in sizes if c]
+        if known and len(known) == len(sizes):
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(1.0, need / min(known)):.4f}"
+    return env
+
+
+def _init_lock(config: pytest.Config, device: str) -> Path:
+    """The lock children sharing ``device`` create their CUDA contexts under.
+
+    In the run's own directory, shared by its xdist workers (the ledger's private
+    directory) or below the session's basetemp.
+    """
+    shared = getattr(config, "workerinput", {}).get("spawnrun_ledger")
+    directory = Path(shared) if shared else _runner.parent_basetemp(config) / "spawnrun"
+    directory.mkdir(parents=True, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c == "-" else "_" for c in device)
+    return directory / f"cuda-init-{safe}.lock"  # slots: <this>-0, <this>-1, ...
+
+
+def _junit_family(config: pytest.Config) -> str:
+    """The family of the junitxml file this process writes ("" when it writes none)."""
+    if not config.option.xmlpath or hasattr(config, "workerinput"):
+        return ""  # an xdist worker: the controller writes it, as in-process
+    return str(config.getini("junit_family"))
+
+
+def _workerinput(config: pytest.Config) -> dict[str, Any] | None:
+    workerinput = getattr(config, "workerinput", None)
+    if not isinstance(workerinput, dict):
+        return None
+    plain = {}
+    for key, value in workerinput.items():
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - what does not pickle stays behind
+            continue
+        plain[key] = value
+    return plain
+
+
+def candidate_args(item: pytest.Item, then: Sequence[str] = ()) -> list[list[str]]:
+    """The test's file alone first (cheap), with those of its scope's later tests; what
+    the parent collected on fallback."""
+    first = [str(item.path)]
+    for nodeid in then:
+        path = str(item.config.rootpath / nodeid.split("::")[0])
+        if path not in first:
+            first.append(path)
+    fallback = list(item.config.args)
+    return [first] if fallback == first else [first, fallback]
+
+
+def start(
+    item: pytest.Item,
+    args: list[str],
+    env: Mapping[str, str],
+    executions: int = 0,
+    then: Sequence[str] = (),
+    template: bool = False,
+) -> _runner.ChildProcess:
+    config = item.config
+    workdir = _runner.child_dir(config, item.nodeid, next(_serial))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = config.stash[SHARED_KEY]
+    live = config.getoption("capture") == "no"
+    spec = proto.ChildSpec(
+        nodeid=item.nodeid,
+        args=args,
+        plugin_args=run.plugin_args,
+        option_dict=dict(run.options, basetemp=str(workdir / "tmp")),
+        invocation_dir=str(config.invocation_params.dir),
+        log_path=None if live else str(workdir / "output.log"),
+        stacks_path=str(workdir / "stacks.txt"),
+        params=proto.bindings(item),
+        workerinput=run.workerinput,
+        late_options=run.late_options,
+        executions=executions,
+        junit_family=run.junit_family,
+        coverage=run.coverage,
+        then=list(then),
+        fork_each=template,
+    )
+    env = {**run.environ, **env}
+    holder = config.stash.get(ZYGOTE_KEY, None)
+    if holder is not None:
+        forked = holder.fork(config, spec, env)
+        if forked is not None:
+            return forked
+    if spec.fork_each:
+        # The forkserver is off: every test spawns, this one alone in its child.
+        spec = dataclasses.replace(spec, fork_each=False, then=[])
+    return _runner.ChildProcess(spec, env=env)
