@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import py_compile
 
 import pytest
 
@@ -74,3 +75,26 @@ def test_the_parents_collection_leaves_bytecode_for_its_children(pytester, monke
     assert rows == [{"dont_write": True, "prefix": None, "env": [], "answer": 42}] * 2
     assert not (libs / "__pycache__").exists()
     assert len(list((pytester.path / ".pytest_cache").rglob("slowlib*.pyc"))) == 1
+
+
+@pytest.mark.parametrize("where", ["spawn", "forkserver", "in-process"])
+def test_bytecode_already_compiled_next_to_its_source_is_read_there(pytester, monkeypatch, where):
+    # pip compiles site-packages at install: with bytecode writing off, spawnrun's own
+    # directory must not hide that bytecode (every import would compile its source
+    # again, in the parent's collection and in every child); only what has no current
+    # bytecode of its own goes there.
+    libs, seen = _no_bytecode(pytester, monkeypatch)
+    (libs / "readylib.py").write_text("READY = True\n")
+    py_compile.compile(str(libs / "readylib.py"), doraise=True)
+    compiled = libs / "__pycache__"
+    before = {p.name: p.stat().st_mtime_ns for p in compiled.iterdir()}
+    suite = SUITE.replace("import slowlib\n", "import slowlib, readylib\n")
+    if where == "in-process":
+        suite = suite.replace("@pytest.mark.gpu(count=0)\n", "")
+    pytester.makepyfile(test_suite=suite)
+    method = "forkserver" if where == "forkserver" else "spawn"
+    pytester.runpytest_subprocess("--spawn-method", method).assert_outcomes(passed=2)
+    kept = pytester.path / ".pytest_cache"
+    assert [p.name for p in kept.rglob("readylib*.pyc")] == []
+    assert len(list(kept.rglob("slowlib*.pyc"))) == 1  # it had none: kept for children
+    assert {p.name: p.stat().st_mtime_ns for p in compiled.iterdir()} == before
