@@ -20,6 +20,10 @@ Modes (``--modes``; plain and pytest-forked always run, ``--modes all`` runs eve
                                fast mode with ``--spawn-template library`` (each child
                                collects its file; fast mode's default forks the tests
                                of a file from a template that collected it)
+    spawnrun fast, run template
+                               fast mode with ``--spawn-template run`` (not default): a
+                               template collects its share of the run's files and forks
+                               each of their tests (files of one test too)
     spawnrun default, scope module / spawnrun fast, scope module
                                the same with ``--spawn-scope module`` (not default): one
                                child per file, so give ``--per-file`` more than 1
@@ -213,6 +217,15 @@ MODES: dict[str, list[str]] = {
         "--spawn-template",
         "library",
     ],
+    "spawnrun fast, run template": [
+        "--spawn-gpu",
+        "--spawn-method",
+        "forkserver",
+        "--spawn-preload",
+        "torch",
+        "--spawn-template",
+        "run",
+    ],
     "spawnrun default, scope module": ["--spawn-gpu", "--spawn-scope", "module"],
     "spawnrun fast, scope module": [
         "--spawn-gpu",
@@ -232,6 +245,7 @@ DEFAULT_MODES = [*ALWAYS, "spawnrun default", "spawnrun fast"]
 FAST_MODES = (
     "spawnrun fast",
     "spawnrun fast, library template",
+    "spawnrun fast, run template",
     "spawnrun fast-nopreload",
     "spawnrun forkserver",
     "spawnrun fast, scope module",
@@ -290,6 +304,14 @@ TARGETS = [
         "(c) CPU: fast mode vs pytest-forked, trivial",
         "trivial",
         "spawnrun fast",
+        2.0,
+        "trivial",
+        "pytest-forked",
+    ),
+    Target(
+        "(16) CPU: fast mode with --spawn-template run vs pytest-forked, trivial",
+        "trivial",
+        "spawnrun fast, run template",
         2.0,
         "trivial",
         "pytest-forked",

@@ -187,9 +187,9 @@ def tail(path: Path) -> str:
 
 
 #: The section that says why a scope's child did not run the next test.
-#: The summary's words for a file whose template may not fork its tests.
+#: The summary's words for files whose template may not fork their tests.
 NOT_A_TEMPLATE = (
     "not forked from a template that collected it (unsafe to fork after its collection); "
-    "each test collected it in a child of its own"
+    "each test collected its file in a child of its own"
 )
 REPLACED_TITLE = "spawnrun: child replaced"

@@ -695,7 +695,7 @@ class Scheduler:
         for scope, why in sorted(self.refusals.items()):
             if not why:
                 continue  # the forkserver went off: its warning says why
-            where = scope.removeprefix(_packing.TEMPLATE_SCOPE).split(" [")[0]
+            where = _template_files(self.members.get(scope, []))
             lines.append(f"{where}: {NOT_A_TEMPLATE}: {why}")
         lines += self._packing_lines(list_alone)
         if self.peaks:
@@ -707,6 +707,13 @@ class Scheduler:
             if len(ranked) > peaks_shown:
                 lines.append(f"  ... and {len(ranked) - peaks_shown} more (junitxml has all)")
         return lines
+
+
+def _template_files(nodeids: list[str]) -> str:
+    """The files a template collected, for the summary ("test_a.py and 2 more files")."""
+    files = list(dict.fromkeys(n.split("::")[0] for n in nodeids)) or ["?"]
+    more = len(files) - 1
+    return files[0] + (f" and {_plural(more, 'more file')}" if more else "")
 
 
 def _plural(n: int, one: str, many: str = "") -> str:

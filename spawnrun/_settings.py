@@ -233,8 +233,8 @@ def parse_poison(value: object, source: str) -> tuple[str, ...]:
 
 def parse_template(value: object, source: str) -> str:
     text = str(value).strip().lower()
-    if text not in ("file", "library"):
-        raise pytest.UsageError(f"{source}: expected file or library, got {value!r}")
+    if text not in ("file", "run", "library"):
+        raise pytest.UsageError(f"{source}: expected file, run or library, got {value!r}")
     return text
 
 
@@ -516,8 +516,9 @@ SETTINGS: tuple[Setting, ...] = (
         default="file",
         parse=parse_template,
         help="What fast mode forks a test from: file (a process that collected its file, "
-        "where that left it fork-safe; else as library) or library (a process that imported "
-        "only libraries: each child collects its file)",
+        "where that left it fork-safe; else as library), run (a process that collected its "
+        "share of the run's files: a fork has imported them all, as in-process) or library "
+        "(a process that imported only libraries: each child collects its file)",
         metavar="FROM",
     ),
     Setting(

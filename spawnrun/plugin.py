@@ -388,12 +388,14 @@ def _scope_key(item: pytest.Item, settings: _settings.Settings) -> str:
 def _split_templates(
     members: dict[str, list[pytest.Item]], limit: int, gpus: int
 ) -> dict[str, list[pytest.Item]]:
-    """Each file's template becomes as many as its tests can run at once, round robin.
+    """Each template becomes as many as its tests can run at once.
 
-    Tests of one template run one after another; with several templates a file's tests
-    still run side by side, as many as the job limit (and, for tests on devices, the
-    devices) allow. A template that would fork one test only costs a fork more than a
-    child of its own: such a test has none.
+    Tests of one template run one after another; with several templates they still run
+    side by side, as many as the job limit (and, for tests on devices, the devices)
+    allow. A file's template is split round robin; the run's (``--spawn-template run``)
+    in runs of consecutive tests, so that each collects only the files of its share. A
+    template that would fork one test only costs a fork more than a child of its own:
+    such a test has none.
     """
     split: dict[str, list[pytest.Item]] = {}
     for key, tests in members.items():
@@ -407,24 +409,34 @@ def _split_templates(
             at_once = gpus // plan.count if plan.count else limit
         ways = max(1, min(limit, at_once, len(tests)))
         for way in range(ways):
-            share = tests[way::ways]
+            if key.endswith(RUN_TEMPLATE):
+                share = tests[way * len(tests) // ways : (way + 1) * len(tests) // ways]
+            else:
+                share = tests[way::ways]
             if len(share) > 1:
                 split[f"{key} #{way + 1}" if ways > 1 else key] = share
     return split
 
 
+#: Ends the key of a template of the run's files (``--spawn-template run``).
+RUN_TEMPLATE = " of the run"
+
+
 def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
     """The template a test of its own is forked from in fast mode ("": none).
 
-    One per file and need: its tests run one after another, each in a fork of the
-    process that collected the file. Tests with a memory budget keep children of their
-    own, which may run side by side on a device.
+    One per file and need (``--spawn-template run``: one per need for the run's files):
+    its tests run one after another, each in a fork of the process that collected their
+    files. Tests with a memory budget keep children of their own, which may run side by
+    side on a device.
     """
-    if settings.method != "forkserver" or settings.template != "file":
+    if settings.method != "forkserver" or settings.template == "library":
         return ""
     plan = item.stash[PLAN_KEY]
     if plan.count and plan.need is not _packing.ALONE:
         return ""
+    if settings.template == "run":
+        return f"{_packing.TEMPLATE_SCOPE}[{_needs(plan)}]{RUN_TEMPLATE}"
     where = item.nodeid.split("::")[0]
     return f"{_packing.TEMPLATE_SCOPE}{where} [{_needs(plan)}]"
 

@@ -54,7 +54,7 @@ def _forked(pytester: pytest.Pytester, n: int) -> bool:
     return parents != {pytest_pid} and len(parents) == 1
 
 
-@pytest.mark.parametrize("template", ["library", "file"])
+@pytest.mark.parametrize("template", ["library", "file", "run"])
 def test_device_initialized_by_the_conftest_at_import_keeps_forking(pytester, fakedevice, template):
     # The vLLM case: the conftest touches the device at import. The library template
     # never runs the conftest, so each forked child initializes the device for itself.
@@ -65,16 +65,60 @@ def test_device_initialized_by_the_conftest_at_import_keeps_forking(pytester, fa
         "    return 'fakedevice is initialized' if fakedevice.is_initialized() else None\n"
     )
     conftest = RECORD_PARENT + "import fakedevice\nfakedevice.init()  # at import\n"
-    pytester.makeconftest(conftest + (hook if template == "file" else ""))
+    pytester.makeconftest(conftest + (hook if template != "library" else ""))
     pytester.makepyfile(test_device=DEVICE_SUITE)
     result = _run_fast(pytester, "-W", "default", "--spawn-template", template)
     result.assert_outcomes(passed=3)
     result.stdout.no_fnmatch_line("*forkserver is off*")
     assert _forked(pytester, 3)
-    if template == "file":
+    if template != "library":
         result.stdout.fnmatch_lines(
             [f"test_device.py: {_reports.NOT_A_TEMPLATE}: fakedevice is initialized"]
         )
+
+
+RUN_FILE = """
+import json, os, sys
+import pytest
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(2))
+def test_here(i):
+    imported = sorted(m for m in sys.modules if m.startswith("test_run_"))
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(json.dumps([__name__, i, os.getpid(), os.getppid(), imported]) + "\\n")
+"""
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_a_run_template_forks_the_tests_of_several_files(pytester, monkeypatch, jobs):
+    # --spawn-template run: one template collects several files and forks each of
+    # their tests; split over the job limit, each template collects only its share.
+    files = ["test_run_a", "test_run_b", "test_run_c", "test_run_d"]
+    for name in files:
+        pytester.makepyfile(**{name: RUN_FILE})
+    seen = pytester.path / "seen.jsonl"
+    monkeypatch.setenv("SEEN", str(seen))
+    result = _run_fast(pytester, "--spawn-template", "run", "--spawn-jobs", str(jobs))
+    result.assert_outcomes(passed=8)
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    rows = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert len({pid for _, _, pid, _, _ in rows}) == 8  # a fresh process per test
+    by_template: dict[int, set[str]] = {}
+    for module, _, _, ppid, imported in rows:
+        by_template.setdefault(ppid, set()).add(module)
+        assert module in imported
+    assert len(by_template) == jobs
+    templates = "template" if jobs == 1 else "templates"
+    result.stdout.fnmatch_lines(
+        [f"*8 tests isolated in 8 children (8 forked from {jobs} {templates} that collected*"]
+    )
+    for ppid, modules in by_template.items():
+        # What each fork had imported: the files of its template's share, no others.
+        shares = {tuple(imp) for _, _, _, p, imp in rows if p == ppid}
+        assert shares == {tuple(sorted(modules))}
+    expected = [set(files)] if jobs == 1 else [set(files[:2]), set(files[2:])]
+    assert sorted(by_template.values(), key=sorted) == expected
 
 
 TEMPLATE_SUITE = """
