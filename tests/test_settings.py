@@ -91,7 +91,7 @@ def test_spawn_gpu_from_each_source():
             {},
             {},
             {"template": "module"},
-            "command line option --spawn-template: expected file or library, got 'module'",
+            "command line option --spawn-template: expected file, run or library, got 'module'",
         ),
         (
             {"spawn_poison": "ok\n(unclosed"},
