@@ -196,46 +196,17 @@ CPU_SUITES = ["trivial", "work-0.5s", "fakedevice", "fakedevice-at-import"]
 
 NO_SPAWNRUN = ["-p", "no:spawnrun"]
 PINNED = ["--spawn-gpu", "--spawn-jobs", "1"]
+FAST = ["--spawn-gpu", "--spawn-method", "forkserver", "--spawn-preload", "torch"]
 MODES: dict[str, list[str]] = {
     "plain": NO_SPAWNRUN,
     "pytest-forked": [*NO_SPAWNRUN, "--forked"],
     "spawnrun default": ["--spawn-gpu"],
-    "spawnrun fast": [
-        "--spawn-gpu",
-        "--spawn-method",
-        "forkserver",
-        "--spawn-preload",
-        "torch",
-    ],
+    "spawnrun fast": FAST,
     "spawnrun fast-nopreload": ["--spawn-gpu", "--spawn-method", "forkserver"],
-    "spawnrun fast, library template": [
-        "--spawn-gpu",
-        "--spawn-method",
-        "forkserver",
-        "--spawn-preload",
-        "torch",
-        "--spawn-template",
-        "library",
-    ],
-    "spawnrun fast, run template": [
-        "--spawn-gpu",
-        "--spawn-method",
-        "forkserver",
-        "--spawn-preload",
-        "torch",
-        "--spawn-template",
-        "run",
-    ],
+    "spawnrun fast, library template": [*FAST, "--spawn-template", "library"],
+    "spawnrun fast, run template": [*FAST, "--spawn-template", "run"],
     "spawnrun default, scope module": ["--spawn-gpu", "--spawn-scope", "module"],
-    "spawnrun fast, scope module": [
-        "--spawn-gpu",
-        "--spawn-method",
-        "forkserver",
-        "--spawn-preload",
-        "torch",
-        "--spawn-scope",
-        "module",
-    ],
+    "spawnrun fast, scope module": [*FAST, "--spawn-scope", "module"],
     "spawnrun spawn": [*PINNED, "--spawn-lookahead", "0"],
     "spawnrun spawn+lookahead": [*PINNED, "--spawn-lookahead", "1"],
     "spawnrun forkserver": [*PINNED, "--spawn-method", "forkserver", "--spawn-preload", "torch"],
