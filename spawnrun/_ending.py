@@ -128,10 +128,16 @@ class Ending:
 
     # A scope's child between tests -----------------------------------------------------
 
+    @property
+    def waiting(self) -> bool:
+        """Whether its child waits between tests, alive, for the scope's next one."""
+        child = self.child
+        return self.stage is Stage.HANDOVER and child is not None and not child.gone
+
     def take(self) -> _runner.ChildProcess | None:
         """The scope's next test takes the waiting child (None: it is gone meanwhile)."""
         child = self.child
-        if self.stage is not Stage.HANDOVER or child is None or child.gone:
+        if not self.waiting or child is None:
             return None
         self.child, self.held = None, []
         self.stage, self.deadline = Stage.GONE, None

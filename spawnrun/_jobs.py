@@ -135,9 +135,6 @@ class Job:
         #: The devices it holds in the allocator (its planned ones, from its go on).
         self.held: list[str] = []
         self.boot_counted = False
-        #: Counted in the run summary: what it started, and the test itself.
-        self.counted = False
-        self.test_counted = False
         #: Children this job no longer needs (a fallback replaced one): to be reaped.
         self.retired: list[_runner.ChildProcess] = []
         self.state = State.AHEAD

@@ -163,7 +163,8 @@ class Scheduler:
             job.replay.start()  # one at a time: its line shows while it runs, as in-process
         if job.reported:
             # Its child died while booting ahead: that is the test's report.
-            if job.counted:  # it finished before its turn: count it now
+            if job not in self.jobs and job.ending not in self.endings:
+                # It finished before its turn, and was counted without it: count it now.
                 self._count_test(job)
             job.replayed = True
             self._replay(job)
@@ -268,9 +269,7 @@ class Scheduler:
         if donor in self.jobs and donor.state in LISTENING and donor.turned:
             return False
         ending = donor.ending
-        if ending not in self.endings or ending is None or ending.stage is not Stage.HANDOVER:
-            return None
-        if ending.child is None or ending.child.gone:
+        if ending is None or ending not in self.endings or not ending.waiting:
             return None
         if job.child is not None:  # booted ahead after all: not needed
             job.retire_child()
@@ -614,7 +613,6 @@ class Scheduler:
     # Summary -------------------------------------------------------------------------
 
     def _count(self, job: Job) -> None:
-        job.counted = True
         self.children += job.children_started
         if job.template_pid and job.went:
             self.forks += 1
@@ -625,9 +623,6 @@ class Scheduler:
         # turn is still to come (its child died meanwhile): counted at its turn.
 
     def _count_test(self, job: Job) -> None:
-        if job.test_counted:
-            return
-        job.test_counted = True
         self.isolated += 1
         self.replaced += bool(job.replaced)
         self.crashes += job.crashes
