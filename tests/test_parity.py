@@ -208,6 +208,8 @@ MODES = {
     "module-forkserver": ["--spawn-scope", "module", "--spawn-method", "forkserver"],
     "class": ["--spawn-scope", "class"],
     "module-xdist": ["--spawn-scope", "module", "-n", "2"],
+    # Fast mode forking both files' tests from a template that collected them both.
+    "run-template": ["--spawn-method", "forkserver", "--spawn-template", "run"],
 }
 MARKED = ("marker", "lookahead-2", "lookahead-0", "forkserver", "xdist", *list(MODES)[7:])
 
