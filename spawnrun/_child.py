@@ -23,6 +23,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 import traceback
 import weakref
 from multiprocessing.connection import Connection
@@ -341,6 +342,13 @@ class _Relay:
     def serve(self, session: Any) -> None:
         """Find the test, say so, wait for the go, run it."""
         _bytecode.stop()  # collected: the test sees bytecode settings as the parent has
+        waited = 0.0
+        if not self.spec.nodeid:  # started early, before the parent had collected its test
+            since = time.monotonic()
+            if not self._take_assignment():
+                self.booted = self.done = True  # dismissed: nothing is left to tell
+                return
+            waited = time.monotonic() - since
         wanted = self.spec.nodeid
         item = next((i for i in session.items if i.nodeid == wanted), None)
         if item is None:
@@ -353,7 +361,7 @@ class _Relay:
             self.booted = True
             return
         unsafe = _zygote_refusal() if self.spec.fork_each else ""
-        self.send(proto.Booted(os.getpid(), True, not_a_template=unsafe))
+        self.send(proto.Booted(os.getpid(), True, not_a_template=unsafe, waited=waited))
         self.booted = True
         try:
             go = self.conn.recv()
@@ -403,6 +411,25 @@ class _Relay:
         # now. Session finish and unconfigure (pytest's final garbage collections cost
         # ~0.3 s with torch loaded) run after, off the parent's critical path.
         self.finish()
+
+    def _take_assignment(self) -> bool:
+        """Read which test this child is for (``Assign``); False: none came."""
+        try:
+            msg = self.conn.recv()
+        except (EOFError, OSError):
+            return False
+        if not isinstance(msg, proto.Assign):
+            return False
+        self.spec = dataclasses.replace(
+            self.spec,
+            nodeid=msg.nodeid,
+            params=msg.params,
+            then=msg.then,
+            executions=msg.executions,
+            fork_each=msg.fork_each,
+        )
+        self.current = msg.nodeid
+        return True
 
     def _run(self, item: Any, nextitem: Any) -> None:
         try:

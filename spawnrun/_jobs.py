@@ -37,6 +37,7 @@ from itertools import count
 import pytest
 
 from spawnrun import _devices
+from spawnrun import _early
 from spawnrun import _ending
 from spawnrun import _inventory
 from spawnrun import _packing
@@ -98,8 +99,11 @@ class Job:
         poison: list[re.Pattern[str]] | None = None,
         replace_above: int | None = None,
         refusals: dict[str, str] | None = None,
+        early: _early.Early | None = None,
     ) -> None:
         self.item = item
+        #: Children started while the parent collected, for this job to take (``start``).
+        self.early = early
         #: Templates that may not fork (their scope -> why), shared by the run's jobs.
         self.refusals = refusals if refusals is not None else {}
         #: Its child is a template, which runs its test in a fork: the template's pid,
@@ -183,7 +187,7 @@ class Job:
     # Starting --------------------------------------------------------------------
 
     def env(self) -> dict[str, str]:
-        return _starting.child_env(self.item, self.plan, self.devices, self.capacity)
+        return _starting.child_env(self.item.config, self.plan, self.devices, self.capacity)
 
     def start(self) -> None:
         """Start the child (ahead of the turn, or at it) with its final environment.
@@ -192,11 +196,22 @@ class Job:
         test with the cause at its turn; one that was to boot ahead is tried again then.
         """
         self.environ = dict(os.environ)
+        started = time.monotonic()
         try:
             template = self.plan.scope.startswith(_packing.TEMPLATE_SCOPE)
             args = self.candidates[0]
             env, then = self.env(), self.then
-            child = _starting.start(self.item, args, env, self.executions, then, template)
+            early = None
+            if self.early is not None:
+                early, dismissed = self.early.take(args, env)
+                self.retired.extend(dismissed)
+            if early is not None:
+                child = _starting.assign(early.child, self.item, self.executions, then, template)
+                self.environ, started = early.environ, early.started
+                if self.turned:  # measured from the parent's environment at its start
+                    self._env_changes()
+            else:
+                child = _starting.start(self.item, args, env, self.executions, then, template)
         except Exception as exc:  # noqa: BLE001 - the test's failure, never the run's end
             self.child = None
             if self.turned:
@@ -212,7 +227,7 @@ class Job:
         self.child = child
         self.children_started += 1
         self.pids.add(self.child.pid)
-        self.started = time.monotonic()
+        self.started = started
         self.pipe_ended = None
         self.pipe_problem = ""
         self.state = State.BOOTING if self.turned else State.AHEAD
@@ -329,7 +344,7 @@ class Job:
             if msg.not_a_template:
                 self.refusals[self.plan.scope] = msg.not_a_template
                 self.template_pid = 0  # it runs its test itself
-            self.boot_seconds = time.monotonic() - self.started
+            self.boot_seconds = time.monotonic() - self.started - msg.waited
             if self.state is State.BOOTING:
                 self._send_go()
             elif self.state is State.AHEAD:

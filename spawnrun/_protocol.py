@@ -4,11 +4,12 @@ Runs in both processes; imports nothing from the rest of spawnrun. Messages trav
 pickled over a ``multiprocessing`` pipe. Reports travel as the JSON-safe dicts of
 ``pytest_report_to_serializable`` so structured tracebacks survive.
 
-Life of a child: it boots (imports, configures pytest, collects its node id) and
-sends ``Booted``; it then waits for ``Go``, runs setup/call/teardown and streams
-``Report`` / ``WarningRecord`` messages, then ``Interrupted`` if the test stopped the
-session, and always ``Done`` once the test's teardown is over; ``After`` may follow with
-errors of the child's session end. EOF before ``Done`` means the child died.
+Life of a child: it boots (imports, configures pytest, collects its node id; a child
+started before its test was known reads ``Assign`` first) and sends ``Booted``; it then
+waits for ``Go``, runs setup/call/teardown and streams ``Report`` / ``WarningRecord``
+messages, then ``Interrupted`` if the test stopped the session, and always ``Done`` once
+the test's teardown is over; ``After`` may follow with errors of the child's session end.
+EOF before ``Done`` means the child died.
 
 The parent decodes what a child sends with ``decode``, which builds the classes of this
 module and plain data only: a child's message never makes the parent import anything.
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from typing import Any
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class Binding:
 class ChildSpec:
     """Everything a child needs to rebuild the parent's configuration and find its test."""
 
+    #: The test to find ("": started before it was known, it waits for an ``Assign``).
     nodeid: str
     #: Positional args to collect: the test's file first, the parent's args on fallback.
     args: list[str]
@@ -96,6 +98,24 @@ class Booted:
     #: Asked to be a template (``fork_each``) but forking it is unsafe: why. It then
     #: runs its one test itself and ends.
     not_a_template: str = ""
+    #: Seconds it waited, collected, to be told its test (``Assign``): not boot time.
+    waited: float = 0.0
+
+
+@dataclass(frozen=True)
+class Assign:
+    """The test of a child started before its test was known (``ChildSpec.nodeid`` "").
+
+    It is sent before the child has finished collecting; the child reads it once it
+    has, and then looks for its test as any child does. Its fields are the
+    ``ChildSpec`` fields of the same names.
+    """
+
+    nodeid: str
+    params: dict[str, Binding] = field(default_factory=dict)
+    then: list[str] = field(default_factory=list)
+    executions: int = 0
+    fork_each: bool = False
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ own), lead their own session, and get their environment before the interpreter s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import pickle
 import re
@@ -457,6 +458,20 @@ class ChildProcess:
             out.append(Died(stream.problem))
             self.close_pipe()
         return out
+
+    def assign(self, msg: proto.Assign) -> None:
+        """Tell a child started before its test was known which one it is for."""
+        self.spec = dataclasses.replace(
+            self.spec,
+            nodeid=msg.nodeid,
+            params=msg.params,
+            then=msg.then,
+            executions=msg.executions,
+            fork_each=msg.fork_each,
+        )
+        if self.conn is not None:
+            with contextlib.suppress(OSError):
+                self.conn.send(msg)
 
     def go(
         self,

@@ -46,6 +46,7 @@ from typing import Any
 import pytest
 
 from spawnrun import _devices
+from spawnrun import _early
 from spawnrun import _forkserver
 from spawnrun import _packing
 from spawnrun import _replay
@@ -136,6 +137,9 @@ class Scheduler:
         #: Tests of a scope whose child still runs the scope's previous test, in order:
         #: pytest goes on meanwhile, so other scopes' tests may run side by side.
         self.queued: list[Job] = []
+        #: Children started while the parent collected, for the first tests of their
+        #: files (off unless the plugin sets its limit).
+        self.early = _early.Early(0)
 
     # Turns ---------------------------------------------------------------------------
 
@@ -248,6 +252,7 @@ class Scheduler:
             self.poison,
             self.replace_above,
             self.refusals,
+            self.early,
         )
 
     def _dismiss_idle(self, keep: str = "") -> None:
@@ -297,7 +302,7 @@ class Scheduler:
             if job.child is None:
                 job.start()
         elif job.child is None:
-            devices = self.allocator.take(plan.count, need, job.token) if plan.count else []
+            devices = self._take(job) if plan.count else []
             if devices is None:
                 return False
             job.devices = job.claimed = devices
@@ -319,6 +324,20 @@ class Scheduler:
             job.replay.start_live()  # -s: the node id line before what the test prints
         job.go()
         return True
+
+    def _take(self, job: Job) -> list[str] | None:
+        """Devices for a job that has no child yet: the early child's, if free, first."""
+        count, need = job.plan.count, job.plan.need
+        early = self.early.devices_for(job.candidates[0], count) if job.candidates else None
+        if early is not None:
+            taken = self.allocator.take(count, need, job.token, early)
+            if taken is not None:
+                return taken
+        return self.allocator.take(count, need, job.token)
+
+    def collected(self, paths: set[str]) -> None:
+        """The parent's collection is over: early children of other files are dismissed."""
+        self.graveyard.extend(self.early.keep_only(paths))
 
     def _note_sharing(self, job: Job) -> None:
         """Tests that hold a device together both ran shared (for the summary)."""
@@ -367,8 +386,10 @@ class Scheduler:
             first = self.members.get(plan.scope, [item.nodeid])[0]
             if plan.scope and plan.scope not in self.refusals and first != item.nodeid:
                 continue  # a scope's later test runs in the child of the scope's first
-            devices = self._plan(plan.count) if plan.count and not plan.every else []
-            job = self._job(item, plan, devices)
+            job = self._job(item, plan, [])
+            if plan.count and not plan.every:
+                early = self.early.devices_for(job.candidates[0], plan.count)
+                job.devices = early or self._plan(plan.count)
             job.start()
             self.ahead[item.nodeid] = job
             self.jobs.append(job)
@@ -576,6 +597,7 @@ class Scheduler:
         """
         self.queued = []
         self._dismiss_idle()
+        self.graveyard.extend(self.early.close())
         for job in list(self.jobs):
             if job.state in LISTENING:
                 job.replayed = True
@@ -588,6 +610,7 @@ class Scheduler:
 
     def kill_all(self) -> None:
         """Last resort (an exception is unwinding): end every child, report nothing."""
+        self.graveyard.extend(self.early.close())
         for job in self.jobs:
             if job.child is not None:
                 job.child.kill()
@@ -674,6 +697,9 @@ class Scheduler:
         if self.replans:
             first += f"; {self.replans} replanned onto other devices"
         lines = [first]
+        if self.early.started:
+            started = _plural(self.early.started, "child", "children")
+            lines.append(f"{started} started while collecting ({self.early.taken} used)")
         ends = []
         if self.replaced:
             were = "child was" if self.replaced == 1 else "children were"

@@ -3,7 +3,8 @@
 Runs in the parent. ``Shared`` is what every child of the run gets (worked out once, at
 session start); ``child_env`` what one test's child gets on top (its devices, its
 budget); ``start`` makes the child's spec and starts it, forked from the zygote in fast
-mode, else spawned.
+mode, else spawned; ``start_early`` starts one for a file before its tests are known
+(``_early``), and ``assign`` tells it its test.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ ZYGOTE_KEY = pytest.StashKey[_forkserver.ZygoteHolder]()
 
 
 def child_env(
-    item: pytest.Item,
+    config: pytest.Config,
     plan: _packing.Plan,
     devices: list[str],
     capacity: Mapping[str, int | None],
@@ -86,7 +87,7 @@ def child_env(
         env[SOURCE_ENV] = plan.budget_source
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         if devices:
-            env[INIT_LOCK_ENV] = str(_init_lock(item.config, devices[0]))
+            env[INIT_LOCK_ENV] = str(_init_lock(config, devices[0]))
             env[INIT_SLOTS_ENV] = os.environ.get(INIT_SLOTS_ENV, str(INIT_SLOTS))
         sizes = [capacity.get(d) for d in devices or capacity]
         known = [c for c in sizes if c]
@@ -141,6 +142,58 @@ def candidate_args(item: pytest.Item, then: Sequence[str] = ()) -> list[list[str
     return [first] if fallback == first else [first, fallback]
 
 
+def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> proto.ChildSpec:
+    workdir = _runner.child_dir(config, name, next(_serial))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = config.stash[SHARED_KEY]
+    live = config.getoption("capture") == "no"
+    return proto.ChildSpec(
+        args=args,
+        plugin_args=run.plugin_args,
+        option_dict=dict(run.options, basetemp=str(workdir / "tmp")),
+        invocation_dir=str(config.invocation_params.dir),
+        log_path=None if live else str(workdir / "output.log"),
+        stacks_path=str(workdir / "stacks.txt"),
+        workerinput=run.workerinput,
+        late_options=run.late_options,
+        junit_family=run.junit_family,
+        coverage=run.coverage,
+        **test,
+    )
+
+
+def start_early(config: pytest.Config, path: str, env: Mapping[str, str]) -> _runner.ChildProcess:
+    """A child that collects ``path`` and then waits to be told its test (``assign``).
+
+    Spawned, not forked: it starts while the parent collects, before the zygote (fast
+    mode) has imported what it forks from.
+    """
+    spec = _spec(config, os.path.basename(path), [path], nodeid="")
+    return _runner.ChildProcess(spec, env={**config.stash[SHARED_KEY].environ, **env})
+
+
+def assign(
+    child: _runner.ChildProcess,
+    item: pytest.Item,
+    executions: int = 0,
+    then: Sequence[str] = (),
+    template: bool = False,
+) -> _runner.ChildProcess:
+    """Tell a child started early (``start_early``) which test it is for."""
+    holder = item.config.stash.get(ZYGOTE_KEY, None)
+    # A template where a fresh fork of it would have been one: fast mode, not turned off.
+    fork_each = template and holder is not None and not holder.off
+    msg = proto.Assign(
+        item.nodeid,
+        proto.bindings(item),
+        list(then) if fork_each or not template else [],
+        executions,
+        fork_each,
+    )
+    child.assign(msg)
+    return child
+
+
 def start(
     item: pytest.Item,
     args: list[str],
@@ -150,24 +203,14 @@ def start(
     template: bool = False,
 ) -> _runner.ChildProcess:
     config = item.config
-    workdir = _runner.child_dir(config, item.nodeid, next(_serial))
-    workdir.mkdir(parents=True, exist_ok=True)
     run = config.stash[SHARED_KEY]
-    live = config.getoption("capture") == "no"
-    spec = proto.ChildSpec(
+    spec = _spec(
+        config,
+        item.nodeid,
+        args,
         nodeid=item.nodeid,
-        args=args,
-        plugin_args=run.plugin_args,
-        option_dict=dict(run.options, basetemp=str(workdir / "tmp")),
-        invocation_dir=str(config.invocation_params.dir),
-        log_path=None if live else str(workdir / "output.log"),
-        stacks_path=str(workdir / "stacks.txt"),
         params=proto.bindings(item),
-        workerinput=run.workerinput,
-        late_options=run.late_options,
         executions=executions,
-        junit_family=run.junit_family,
-        coverage=run.coverage,
         then=list(then),
         fork_each=template,
     )

@@ -11,11 +11,13 @@ import bisect
 import contextlib
 import faulthandler
 import os
+import re
 import shutil
 import signal
 import threading
 from collections.abc import Generator
 from dataclasses import replace
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
@@ -25,6 +27,7 @@ from spawnrun import _bytecode
 from spawnrun import _child
 from spawnrun import _cudawatch
 from spawnrun import _devices
+from spawnrun import _early
 from spawnrun import _forkserver
 from spawnrun import _inventory
 from spawnrun import _jobs
@@ -147,6 +150,8 @@ def pytest_configure(config: pytest.Config) -> None:
         lookahead,
         holder,
     )
+    if _boots_early(config, settings):
+        scheduler.early = _early.Early(lookahead)
     scheduler.status = _status.Status(config, several=limit > 1)
     scheduler.poison = _poison.patterns(settings.poison)
     scheduler.replace_above = settings.scope_memory
@@ -154,6 +159,24 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
     _install_sigterm(config)
+
+
+def _boots_early(config: pytest.Config, settings: _settings.Settings) -> bool:
+    """Whether children may start while the parent collects (``_early``).
+
+    Not where no test will run (``--collect-only``, in-process runs), nor under xdist (a
+    worker learns which files are its own only after collection). In fast mode only
+    where every spawned test shares a class's or module's child: an early child is
+    spawned (the zygote is not ready yet), which costs a whole interpreter's imports
+    where a fork of the zygote, or of its file's template, costs a few milliseconds.
+    """
+    if settings.no_spawn or settings.forced_inprocess:
+        return False
+    if settings.method == "forkserver" and settings.scope == "test":
+        return False
+    if config.getoption("collectonly", False) or config.getoption("setupplan", False):
+        return False
+    return not (_xdist_worker() or _xdist_controller(config))
 
 
 def _register_markers(config: pytest.Config, marker: str, forked_alias: bool) -> None:
@@ -255,8 +278,66 @@ def pytest_collectstart() -> None:
     _cudawatch.watch()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_collect_file(
+    file_path: Path, parent: pytest.Collector
+) -> Generator[None, list[pytest.Collector], list[pytest.Collector]]:
+    collectors = yield
+    # Listed, not yet imported: a child may import it beside the parent (``_early``).
+    if any(isinstance(c, pytest.Module) for c in collectors):
+        _boot_early(parent.config, file_path)
+    return collectors
+
+
+def _boot_early(config: pytest.Config, path: Path) -> None:
+    """Start a child for a test file whose tests will likely be spawned, if one is due.
+
+    Likely: every test is (``--spawn-gpu``), or the file names the spawn marker. Its
+    devices are guessed as the marker's default count (where too few are there, such
+    tests are skipped: none is started); a test that needs others dismisses it.
+    """
+    scheduler = config.stash.get(SCHEDULER_KEY, None)
+    if scheduler is None or not scheduler.early.wants():
+        return
+    settings = config.stash[SETTINGS_KEY]
+    marked = _names_marker(path, settings.marker)
+    if not (marked or settings.spawn_gpu):
+        return
+    ids = config.stash[INVENTORY_KEY].ids
+    capacity = config.stash[CAPACITY_KEY]
+    if marked and settings.count > len(ids):
+        return  # such tests are skipped here (a machine without GPUs, say)
+    count = settings.count if marked else 0
+    plan = _plan_from(marked, count, settings, {}, ids, capacity, None, None)
+    devices = []
+    if count and not plan.every:
+        devices = _devices.least_loaded(ids, scheduler.early.load(), count)
+    env = _starting.child_env(config, plan, devices, capacity)
+    try:
+        child = _starting.start_early(config, str(path), env)
+    except Exception:  # noqa: BLE001 - its first test starts a child of its own, as before
+        return
+    scheduler.early.add(_early.EarlyChild(str(path), child, devices, env))
+
+
+def _names_marker(path: Path, marker: str) -> bool:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(_MARKER_SCAN)
+    except OSError:
+        return False
+    return re.search(rf"\bmark\.{re.escape(marker)}\b", text) is not None
+
+
+#: How much of a test file is searched for the spawn marker's name.
+_MARKER_SCAN = 1 << 20
+
+
 @pytest.hookimpl
 def pytest_collection_finish(session: pytest.Session) -> None:
+    scheduler = session.config.stash.get(SCHEDULER_KEY, None)
+    if scheduler is not None:
+        scheduler.collected({str(item.path) for item in session.items if _spawns(item)})
     _bytecode.stop()  # the tests see bytecode settings as they were
     holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
@@ -482,8 +563,24 @@ def _plan(
 ) -> _packing.Plan:
     """What the test needs: devices, a budget on each (or alone, and why), a timeout."""
     marked = _settings.marked(item, settings)
-    timeout = overrides.get("timeout", settings.timeout)
     count = _device_count(item, settings, overrides)
+    raw = _marker_memory(item, settings)
+    peak = learned.get(item.nodeid)
+    return _plan_from(marked, count, settings, overrides, ids, capacity, raw, peak)
+
+
+def _plan_from(
+    marked: bool,
+    count: int,
+    settings: _settings.Settings,
+    overrides: dict[str, Any],
+    ids: tuple[str, ...],
+    capacity: dict[str, int | None],
+    raw: object,
+    peak: int | None,
+) -> _packing.Plan:
+    """``_plan`` from what it reads of the test (and a file's guess: ``_boot_early``)."""
+    timeout = overrides.get("timeout", settings.timeout)
     every = not marked  # --spawn-gpu alone: it sees every device, so it holds them all
     if not (count if marked else ids):
         return _packing.Plan(timeout, count, every=every)
@@ -494,12 +591,10 @@ def _plan(
         return replace(alone, alone_because="exclusive=True")
     memory = overrides.get("memory", settings.memory)
     if memory is not None:
-        raw = _marker_memory(item, settings)
         source = f"memory={raw!r}" if raw is not None else f"spawn_memory {_packing.show(memory)}"
         return replace(alone, need=memory, alone_because="", budget_source=source)
     if settings.pack != "auto":
         return alone
-    peak = learned.get(item.nodeid)
     if peak is None:
         return replace(alone, alone_because="no peak recorded yet", learned=True)
     known = [c for c in capacity.values() if c is not None]

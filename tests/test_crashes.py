@@ -763,7 +763,11 @@ def test_a_child_that_cannot_be_started_fails_its_test(pytester):
                     raise BlockingIOError(11, "Resource temporarily unavailable")
                 return start(item, *args, **kwargs)
 
+            def refuse_early(*args, **kwargs):
+                raise BlockingIOError(11, "Resource temporarily unavailable")
+
             spawnrun._starting.start = refuse
+            spawnrun._starting.start_early = refuse_early  # harmless: tests start their own
         """
     )
     pytester.makepyfile(

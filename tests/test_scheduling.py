@@ -126,9 +126,14 @@ def test_tests_spawned_by_spawn_gpu_alone_keep_the_parents_devices(pytester, mon
     result.assert_outcomes(passed=1)
 
 
-def test_statically_skipped_gpu_tests_cost_no_child(pytester):
+def test_statically_skipped_gpu_tests_run_in_no_child(pytester):
+    # A child may be started for the file while the parent collects (``_early``): it
+    # is dismissed once the tests turn out skipped, and runs none of them.
     pytester.makeconftest(
-        "import spawnrun\nif spawnrun.is_child():\n    open('a-child-started', 'w').close()\n"
+        "import spawnrun\n"
+        "if spawnrun.is_child():\n"
+        "    def pytest_runtest_logstart(nodeid, location):\n"
+        "        open('a-child-ran-a-test', 'w').close()\n"
     )
     pytester.makepyfile(
         """
@@ -148,7 +153,8 @@ def test_statically_skipped_gpu_tests_cost_no_child(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs")
     result.assert_outcomes(skipped=2)
     result.stdout.fnmatch_lines(["*not today*", "*never here*"])
-    assert not (pytester.path / "a-child-started").exists()
+    assert not (pytester.path / "a-child-ran-a-test").exists()
+    result.stdout.no_fnmatch_line("*isolated in*")
 
 
 def test_devices_on_the_test_line_only_never_in_the_short_summary(pytester):

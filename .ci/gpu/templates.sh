@@ -10,6 +10,6 @@ export CUDA_VISIBLE_DEVICES=
 for per in 10 1; do
   taskset -c 0,1 python3 benchmarks/speed.py -n 40 --per-file $per -r ${R:-2} --suites trivial \
     --modes plain pytest-forked "spawnrun fast" "spawnrun fast, library template" \
-    "spawnrun fast, scope module" --deadline ${DEADLINE:-80} --run-timeout 60 2>&1 \
+    "spawnrun fast, run template" "spawnrun fast, scope module" --deadline ${DEADLINE:-80} --run-timeout 60 2>&1 \
     | tee $OUT/cpu_per_file_$per.txt
 done

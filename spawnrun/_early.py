@@ -1,0 +1,111 @@
+"""Children started while the parent collects, each for a file it has not imported yet.
+
+Runs in the parent. pytest lists a directory's files before it imports any of them
+(``pytest_collect_file``), and the parent's collection may spend most of its time in
+the first module's imports (transformers: 10 s without bytecode). A child started for
+such a file, as soon as the file is listed, makes the same imports at the same time
+instead of after. It collects its file, as a test's child does, then waits to be told
+its test (``Assign``).
+
+Nothing is sent later that its code could have read at import: a file's first test
+takes the child only if it would have started one with the same arguments and the
+same environment (its devices, its budget); the parent's own environment changes
+since reach it with the go, as they reach a child booted ahead. A guess that turns out
+wrong (the file's tests are not spawned, not selected, or need other devices) costs
+only that child's boot: it is dismissed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from dataclasses import field
+
+from spawnrun import _runner
+
+
+@dataclass
+class EarlyChild:
+    path: str
+    child: _runner.ChildProcess
+    devices: list[str]
+    env: dict[str, str]
+    #: The parent's environment when it started (what a go's changes are measured from).
+    environ: dict[str, str] = field(default_factory=lambda: dict(os.environ))
+    started: float = field(default_factory=time.monotonic)
+
+
+class Early:
+    """The children started early and not yet taken by a test, at most ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.waiting: list[EarlyChild] = []
+        #: Until the parent's collection ends: no child is started early after it.
+        self.open = limit > 0
+        #: For the run summary: started early, and taken by a test.
+        self.started = 0
+        self.taken = 0
+
+    def wants(self) -> bool:
+        return self.open and len(self.waiting) < self.limit
+
+    def add(self, early: EarlyChild) -> None:
+        self.waiting.append(early)
+        self.started += 1
+
+    def load(self) -> dict[str, int]:
+        """Early children per device (to spread the next one's guess)."""
+        load: dict[str, int] = {}
+        for early in self.waiting:
+            for device in early.devices:
+                load[device] = load.get(device, 0) + 1
+        return load
+
+    def devices_for(self, args: list[str], count: int) -> list[str] | None:
+        """The devices of the child started early for ``args`` (to plan a test on)."""
+        for early in self.waiting:
+            if [early.path] == args and len(early.devices) == count and not early.child.gone:
+                return list(early.devices)
+        return None
+
+    def take(
+        self, args: list[str], env: Mapping[str, str]
+    ) -> tuple[EarlyChild | None, list[_runner.ChildProcess]]:
+        """The child started for ``args`` with ``env``, and those of ``args`` that will not do.
+
+        A test of the file that needs another environment (other devices, a budget)
+        shows that the guess was wrong: that child is dismissed.
+        """
+        dismissed: list[_runner.ChildProcess] = []
+        for early in list(self.waiting):
+            if [early.path] != args:
+                continue
+            self.waiting.remove(early)
+            if early.env == dict(env) and not early.child.gone:
+                self.taken += 1
+                return early, dismissed
+            dismissed.append(_dismiss(early))
+        return None, dismissed
+
+    def keep_only(self, paths: set[str]) -> list[_runner.ChildProcess]:
+        """Collection is over: dismiss the children of files without a spawned test."""
+        self.open = False
+        dismissed = [_dismiss(e) for e in self.waiting if e.path not in paths]
+        self.waiting = [e for e in self.waiting if e.path in paths]
+        return dismissed
+
+    def close(self) -> list[_runner.ChildProcess]:
+        """The session ends: every child still waiting is dismissed."""
+        self.open = False
+        dismissed = [_dismiss(e) for e in self.waiting]
+        self.waiting = []
+        return dismissed
+
+
+def _dismiss(early: EarlyChild) -> _runner.ChildProcess:
+    """The child's pipe closes: it reads no test, and its pytest ends by itself."""
+    early.child.close_pipe()
+    return early.child

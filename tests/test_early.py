@@ -1,0 +1,192 @@
+"""Children started while the parent collects (``_early``).
+
+End to end: a file's child imports it while the parent is still importing the suite,
+in the default and fast start methods, per test and per module; a child started for a
+file whose tests need other devices, or are not selected, runs nothing. The pool's
+matching rules without processes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from spawnrun import _early
+
+# The parent records when its collection ended; every process records when it began
+# importing each file. The slow file makes the parent's collection last.
+TIMES = """
+import json, os, time
+import spawnrun
+
+
+def note(what):
+    with open(os.environ["EARLY_EVENTS"], "a") as f:
+        f.write(json.dumps([what, os.getpid(), spawnrun.is_child(), time.time()]) + "\\n")
+
+
+def pytest_collection_finish(session):
+    if not spawnrun.is_child():
+        note("parent collected")
+"""
+
+FAST_FILE = """
+import os
+import pytest
+from conftest import note
+
+note("imported test_a.py")
+
+
+@pytest.fixture(scope="module")
+def built():
+    return os.getpid()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(2))
+def test_a(built, i):
+    assert built == os.getpid()
+    note(f"ran test_a[{i}]")
+"""
+
+SLOW_FILE = """
+import time
+from conftest import note
+
+note("imported test_b.py")
+time.sleep(2.0)  # a heavy library's import
+
+
+def test_b():
+    pass
+"""
+
+
+def _events(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [[], ["--spawn-scope", "module"], ["--spawn-method", "forkserver", "--spawn-scope", "module"]],
+    ids=["default", "scope-module", "fast-scope-module"],
+)
+def test_a_files_child_imports_it_while_the_parent_still_collects(pytester, monkeypatch, args):
+    pytester.makeconftest(TIMES)
+    pytester.makepyfile(test_a=FAST_FILE, test_b=SLOW_FILE)
+    events = pytester.path / "events.jsonl"
+    monkeypatch.setenv("EARLY_EVENTS", str(events))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-lookahead", "1", *args
+    )
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    result.assert_outcomes(passed=3)
+    rows = _events(events)
+    collected = next(t for what, _, child, t in rows if what == "parent collected")
+    ran = {what: pid for what, pid, child, _ in rows if what.startswith("ran ")}
+    first = ran["ran test_a[0]"]
+    imports = [t for what, pid, child, t in rows if what == "imported test_a.py" and pid == first]
+    # The child that ran the file's first test had imported the file before the parent
+    # had finished collecting: it was started when the file was listed.
+    assert imports and imports[0] < collected, rows
+    parent = next(pid for what, pid, child, _ in rows if what == "parent collected")
+    assert parent not in ran.values()
+    if "module" in args:
+        assert ran["ran test_a[1]"] == first  # one child for the module
+    else:
+        assert ran["ran test_a[1]"] != first  # a fresh child for the next test
+    result.stdout.fnmatch_lines(["1 child started while collecting (1 used)"])
+
+
+WRONG_GUESS = """
+import os
+import pytest
+
+# Names the marker: a child is started for this file, for one GPU.
+
+
+@pytest.mark.gpu(count=2)
+def test_two():
+    assert sorted(os.environ["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"]
+    with open(os.environ["EARLY_RAN"], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+"""
+
+DESELECTED = """
+import os
+import pytest
+
+
+@pytest.mark.gpu
+def test_not_selected():
+    with open(os.environ["EARLY_RAN"], "a") as f:
+        f.write("deselected test ran\\n")
+"""
+
+
+def test_a_child_started_for_other_devices_or_no_selected_test_runs_nothing(pytester, monkeypatch):
+    # Both files get a child while collecting (one GPU each, the marker's default): one
+    # file's test needs two GPUs, the other's is deselected. Neither child runs a test.
+    pytester.makepyfile(test_a_skipped=DESELECTED, test_b_two=WRONG_GUESS)
+    ran = pytester.path / "ran.txt"
+    monkeypatch.setenv("EARLY_RAN", str(ran))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-lookahead", "2", "-k", "two", "-v"
+    )
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    result.assert_outcomes(passed=1, deselected=1)
+    assert ran.read_text().splitlines() != ["deselected test ran"]
+    assert len(ran.read_text().splitlines()) == 1
+    result.stdout.fnmatch_lines(
+        ["*::test_two PASSED*", "2 children started while collecting (0 used)"]
+    )
+
+
+class _StandIn:
+    def __init__(self) -> None:
+        self.gone = False
+        self.closed = False
+
+    def close_pipe(self) -> None:
+        self.closed = True
+
+
+def _early_child(path: str, devices: list[str], env: dict[str, str]) -> _early.EarlyChild:
+    return _early.EarlyChild(path, _StandIn(), devices, env)  # type: ignore[arg-type]
+
+
+def test_the_pool_hands_a_child_only_to_a_test_of_its_file_and_environment():
+    pool = _early.Early(limit=2)
+    a = _early_child("/s/test_a.py", ["0"], {"CUDA_VISIBLE_DEVICES": "0"})
+    b = _early_child("/s/test_b.py", ["1"], {"CUDA_VISIBLE_DEVICES": "1"})
+    pool.add(a)
+    assert pool.wants()
+    pool.add(b)
+    assert not pool.wants()  # at most its limit
+    assert pool.load() == {"0": 1, "1": 1}
+    assert pool.devices_for(["/s/test_a.py"], 1) == ["0"]
+    assert pool.devices_for(["/s/test_a.py"], 2) is None
+    assert pool.devices_for(["/s/test_a.py", "/s/test_b.py"], 1) is None  # a group's args
+    # Another file's test, or another environment: not this child.
+    assert pool.take(["/s/test_c.py"], {"CUDA_VISIBLE_DEVICES": "0"}) == (None, [])
+    taken, dismissed = pool.take(["/s/test_b.py"], {"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert taken is None and dismissed == [b.child] and b.child.closed
+    taken, dismissed = pool.take(["/s/test_a.py"], {"CUDA_VISIBLE_DEVICES": "0"})
+    assert taken is a and dismissed == [] and not a.child.closed
+    assert (pool.started, pool.taken) == (2, 1)
+
+
+def test_the_pool_dismisses_what_collection_or_the_session_end_leaves():
+    pool = _early.Early(limit=3)
+    kept = _early_child("/s/test_a.py", [], {})
+    unused = _early_child("/s/test_b.py", [], {})
+    pool.add(kept)
+    pool.add(unused)
+    assert pool.keep_only({"/s/test_a.py"}) == [unused.child]
+    assert unused.child.closed and not kept.child.closed
+    assert not pool.wants()  # none is started after collection
+    assert pool.close() == [kept.child] and kept.child.closed
+    assert pool.waiting == []
+    assert not _early.Early(limit=0).wants()  # booting ahead is off
