@@ -362,7 +362,7 @@ def _session_end(result: pytest.RunResult) -> list[str]:
     start = next(i for i, line in enumerate(lines) if "collected " in line)
     kept = []
     for line in lines[start:]:
-        if "spawnrun" in line or " isolated in " in line:
+        if "spawnrun" in line or " isolated in " in line or " started while collecting " in line:
             continue
         kept.append(re.sub(r" in [0-9.]+s ", " in Ts ", line))
     return kept

@@ -7,7 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
   && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
   && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 || exit 1
 export CUDA_VISIBLE_DEVICES=
-for per in 10 1; do
+for per in ${PER:-10 1}; do
   taskset -c 0,1 python3 benchmarks/speed.py -n 40 --per-file $per -r ${R:-2} --suites trivial \
     --modes plain pytest-forked "spawnrun fast" "spawnrun fast, library template" \
     "spawnrun fast, run template" "spawnrun fast, scope module" --deadline ${DEADLINE:-80} --run-timeout 60 2>&1 \
