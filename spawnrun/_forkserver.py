@@ -252,6 +252,9 @@ class ZygoteHolder:
         self.checked = False
         #: Set in the template's environment (``_bytecode``'s directory).
         self.child_environ: dict[str, str] = {}
+        #: How the template imports what pytest rewrites (None: it leaves that out).
+        self.rewrite: proto.Rewrite | None = None
+        self.config: Any = None
 
     def start(self, config: Any) -> None:
         """Start the template now, so its imports overlap the parent's own collection."""
@@ -268,10 +271,11 @@ class ZygoteHolder:
         self.config = config
         self.base = _dedupe(["pytest", *self.preload])
         self._remembered(config)
+        self.rewrite = rewrite_of(config)
         self.optional = [
             m
             for m in plugin_modules(config, self.rootdir)
-            if m not in self.base and not _rewritten(config, m) and _top(m) not in self.excluded
+            if m not in self.base and self._may_preload(m) and _top(m) not in self.excluded
         ]
         self.zygote = self._make(config, self.base)
         if self.zygote is not None and self.optional:
@@ -282,6 +286,7 @@ class ZygoteHolder:
             modules=modules,
             invocation_dir=self.invocation_dir,
             log_path=str(self.workdir / "output.log"),
+            rewrite=self.rewrite,
         )
         try:
             return Zygote(spec, self.child_environ)
@@ -297,11 +302,15 @@ class ZygoteHolder:
         auto = [
             m
             for m in library_modules(self.rootdir)
-            if m not in known and not _rewritten(self.config, m) and _top(m) not in self.excluded
+            if m not in known and self._may_preload(m) and _top(m) not in self.excluded
         ]
         self.optional += auto
         if auto:
             self.zygote.preload(auto)
+
+    def _may_preload(self, module: str) -> bool:
+        """A module pytest rewrites only where the template rewrites it the same way."""
+        return self.rewrite is not None or not _rewritten(self.config, module)
 
     def fork(
         self, config: Any, spec: proto.ChildSpec, env: Mapping[str, str]
@@ -413,6 +422,24 @@ def _rewritten(config: Any, module: str) -> bool:
     hook = getattr(config.pluginmanager, "rewrite_hook", None)
     names = getattr(hook, "_must_rewrite", ()) or ()
     return any(module == n or module.startswith(n + ".") for n in names)
+
+
+def rewrite_of(config: Any) -> proto.Rewrite | None:
+    """How the parent's pytest rewrites asserts, for the template (None: it does not).
+
+    The names marked for rewriting are kept on pytest's import hook, privately; without
+    them (``--assert=plain``, another pytest) nothing that pytest rewrites is preloaded.
+    """
+    hook = getattr(config.pluginmanager, "rewrite_hook", None)
+    names = getattr(hook, "_must_rewrite", None)
+    if not isinstance(names, set):
+        return None
+    try:
+        python_files = [str(p) for p in config.getini("python_files")]
+        pass_hook = bool(config.getini("enable_assertion_pass_hook"))
+    except (ValueError, KeyError):
+        return None
+    return proto.Rewrite(sorted(str(n) for n in names), python_files, pass_hook)
 
 
 def _top(module: str) -> str:

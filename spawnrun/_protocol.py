@@ -255,12 +255,28 @@ Message = (
 
 
 @dataclass(frozen=True)
+class Rewrite:
+    """How the parent's pytest rewrites asserts: the template imports plugins the same way.
+
+    ``names``: the modules and packages marked for rewriting (plugins, ``-p`` modules,
+    ``register_assert_rewrite``); the two ini values the rewriter reads.
+    """
+
+    names: list[str]
+    python_files: list[str]
+    pass_hook: bool
+
+
+@dataclass(frozen=True)
 class ZygoteSpec:
     """How to build the template: which library modules to import, nothing of the suite."""
 
     modules: list[str]
     invocation_dir: str
     log_path: str
+    #: Import what pytest would rewrite rewritten, as the children's pytest would (None:
+    #: the parent's pytest rewrites nothing, or cannot be read; such modules are left out).
+    rewrite: Rewrite | None = None
 
 
 @dataclass(frozen=True)

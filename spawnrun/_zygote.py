@@ -25,11 +25,15 @@ import importlib
 import os
 import sys
 import traceback
+import types
 import warnings
+from collections.abc import Iterator
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
 from typing import Any
+
+import pytest
 
 from spawnrun import _child
 from spawnrun import _probe
@@ -45,13 +49,70 @@ def main(spec: proto.ZygoteSpec, conn: Connection) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     os.chdir(spec.invocation_dir)
-    template = _Template(conn)
+    template = _Template(conn, spec.rewrite)
     try:
         template.load(spec.modules)
         template.serve()
     except BaseException:  # noqa: BLE001 - the parent must hear why, then spawns
         with contextlib.suppress(OSError):
             conn.send(proto.ZygoteReady(os.getpid(), traceback.format_exc()))
+
+
+@contextlib.contextmanager
+def _rewriting(rewrite: proto.Rewrite | None) -> Iterator[None]:
+    """While importing: what pytest rewrites is rewritten, as the parent's pytest does.
+
+    A plugin's package (hypothesis, xdist, jaxtyping...) is rewritten on import by a
+    child's pytest, which warns about one imported before it, unless its loader is a
+    rewriting hook (``mark_rewrite``'s check). Imported through such a hook here,
+    marked and configured as in the parent, it is the same code the child would have
+    made, and the child's pytest takes it as rewritten: a fork no longer imports and
+    rewrites every plugin package again (seconds on an image without bytecode).
+    """
+    if rewrite is None:
+        yield
+        return
+    hook = _rewrite_hook(rewrite)
+    sys.meta_path.insert(0, hook)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(hook)  # the suite's modules are the child's pytest's
+
+
+def _rewrite_hook(rewrite: proto.Rewrite) -> Any:
+    """pytest's own import hook, with a stand-in for the two ini values it reads.
+
+    pytest's internals: its rewriting hook has no public constructor, and its state
+    key is where the hook looks for its trace.
+    """
+    from _pytest.assertion.rewrite import AssertionRewritingHook
+    from _pytest.assertion.rewrite import assertstate_key
+
+    class Config:
+        def __init__(self) -> None:
+            self.stash = pytest.Stash()
+            state: Any = types.SimpleNamespace(trace=_no_trace)  # all the hook reads of it
+            self.stash[assertstate_key] = state
+            self.ini = {
+                "python_files": list(rewrite.python_files),
+                "enable_assertion_pass_hook": rewrite.pass_hook,
+            }
+
+        def getini(self, name: str) -> Any:
+            return self.ini[name]
+
+        def issue_config_time_warning(self, warning: Warning, stacklevel: int) -> None:
+            pass  # a module imported before it was marked: the child's pytest warns
+
+    hook = AssertionRewritingHook(Config())  # type: ignore[arg-type]
+    hook.mark_rewrite(*rewrite.names)
+    return hook
+
+
+def _no_trace(*args: object) -> None:
+    pass
 
 
 def unsafe_state() -> str:
@@ -113,8 +174,9 @@ def _plugin_state() -> str:
 class _Template:
     """Imports what it is told, checking after each package; then forks on request."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, rewrite: proto.Rewrite | None = None) -> None:
         self.conn = conn
+        self.rewrite = rewrite
         self.refusal = ""
         #: pidfd -> pid of each forked child still running: its exit wakes us at once.
         self.children: dict[int, int] = {}
@@ -136,13 +198,14 @@ class _Template:
             if self.refusal:
                 break
             before = {m.partition(".")[0] for m in sys.modules}
-            for name in names:
-                if name in sys.modules:
-                    continue
-                try:
-                    importlib.import_module(name)
-                except BaseException as exc:  # noqa: BLE001 - the children import it again
-                    failed.append(f"{name}: {exc!r}")
+            with _rewriting(self.rewrite):
+                for name in names:
+                    if name in sys.modules:
+                        continue
+                    try:
+                        importlib.import_module(name)
+                    except BaseException as exc:  # noqa: BLE001 - the children import it
+                        failed.append(f"{name}: {exc!r}")
             self.refusal = unsafe_state()
             if self.refusal:
                 # The package, and every package its import brought in, are suspects.

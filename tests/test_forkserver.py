@@ -44,6 +44,10 @@ def _run_fast(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     )
 
 
+def _where(pytester: pytest.Pytester, i: int) -> str:
+    return (pytester.path / f"where{i}.json").read_text()
+
+
 def _forked(pytester: pytest.Pytester, n: int) -> bool:
     """Whether the n tests ran in distinct children forked from one template (else spawned)."""
     rows = [json.loads((pytester.path / f"where{i}.json").read_text()) for i in range(1, n + 1)]
@@ -286,15 +290,24 @@ def test_template_leaves_out_a_library_that_starts_a_thread(pytester, monkeypatc
     assert _forked(pytester, 2)
 
 
-def test_plugins_keep_their_assert_rewriting_under_filterwarnings_error(pytester, monkeypatch):
-    # A plugin module outside the rootdir is rewritten by pytest on import; the
-    # template must leave it to the child, or pytest's "already imported, cannot be
-    # rewritten" warning fails every child under filterwarnings = error.
+def test_plugins_are_imported_once_rewritten_in_the_template(pytester, monkeypatch):
+    # A plugin module outside the rootdir is rewritten by pytest on import. The
+    # template imports it rewritten as the parent's pytest marked it, once for all
+    # forks: no fork imports it again, its asserts still explain themselves, and no
+    # "already imported, cannot be rewritten" warning fails a child under
+    # filterwarnings = error.
     libs = pytester.path.parent / f"{pytester.path.name}-plugins"
     libs.mkdir()
     (libs / "myplugin.py").write_text(
-        "import pytest\n@pytest.fixture\ndef answer():\n    return 42\n"
+        "import os\n"
+        "import pytest\n"
+        "with open(os.environ['PLUGIN_IMPORTS'], 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        "@pytest.fixture\ndef answer():\n    return 42\n"
+        "def check(x):\n    assert x == 42\n"
     )
+    imports = pytester.path / "imports.txt"
+    monkeypatch.setenv("PLUGIN_IMPORTS", str(imports))
     monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
     pytester.makeini("[pytest]\nfilterwarnings = error\n")
     pytester.makeconftest(RECORD_PARENT)
@@ -309,11 +322,22 @@ def test_plugins_keep_their_assert_rewriting_under_filterwarnings_error(pytester
             assert answer == 42
             with open(f"where{x}.json", "w") as f:
                 json.dump([os.getpid(), os.getppid()], f)
+
+        @pytest.mark.gpu
+        def test_plugin_assert():
+            import myplugin
+            myplugin.check(41)
         """
     )
-    result = _run_fast(pytester, "-p", "myplugin")
-    result.assert_outcomes(passed=2)
+    result = _run_fast(pytester, "-p", "myplugin", "--spawn-template", "library")
+    result.assert_outcomes(passed=2, failed=1)
     assert _forked(pytester, 2)
+    result.stdout.fnmatch_lines(["E       assert 41 == 42"])  # rewritten
+    pids = set(imports.read_text().split())
+    parent = (pytester.path / "parent.pid").read_text()
+    children = {str(pid) for i in (1, 2) for pid, _ in [json.loads(_where(pytester, i))]}
+    assert not pids & children  # no fork imported it
+    assert pids - {parent}  # the template did
 
 
 def test_numpys_blas_pool_does_not_stop_forking(pytester):
