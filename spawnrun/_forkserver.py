@@ -269,7 +269,8 @@ class ZygoteHolder:
         self.invocation_dir = str(config.invocation_params.dir)
         self.rootdir = Path(config.rootpath).resolve()
         self.config = config
-        self.base = _dedupe(["pytest", *self.preload])
+        # spawnrun's own plugin too: each fork's pytest loads it (30 ms to import).
+        self.base = _dedupe(["pytest", "spawnrun.plugin", *self.preload])
         self._remembered(config)
         self.rewrite = rewrite_of(config)
         self.optional = [
