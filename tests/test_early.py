@@ -56,7 +56,7 @@ import time
 from conftest import note
 
 note("imported test_b.py")
-time.sleep(2.0)  # a heavy library's import
+time.sleep(3.0)  # a heavy library's import
 
 
 def test_b():
