@@ -13,17 +13,31 @@ same environment (its devices, its budget); the parent's own environment changes
 since reach it with the go, as they reach a child booted ahead. A guess that turns out
 wrong (the file's tests are not spawned, not selected, or need other devices) costs
 only that child's boot: it is dismissed.
+
+Which files get one (``likely``): every file with ``--spawn-gpu``; else a file whose
+text names the marker, or whose tests were spawned when an earlier run collected it
+(pytest's cache: a conftest that adds the marker, say).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
+from collections.abc import Iterable
 from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field
+from pathlib import Path
+from typing import Any
 
 from spawnrun import _runner
+
+#: pytest's cache: the files (relative to the rootdir) whose tests the last run that
+#: collected them spawned.
+SPAWNED_KEY = "spawnrun/spawned-files"
+#: How much of a test file is searched for the spawn marker's name.
+_MARKER_SCAN = 1 << 20
 
 
 @dataclass
@@ -109,3 +123,43 @@ def _dismiss(early: EarlyChild) -> _runner.ChildProcess:
     """The child's pipe closes: it reads no test, and its pytest ends by itself."""
     early.child.close_pipe()
     return early.child
+
+
+def likely(path: Path, marker: str, remembered: set[str], rootdir: Path) -> bool:
+    """Whether the file's tests are likely spawned (without ``--spawn-gpu``)."""
+    if _relative(path, rootdir) in remembered:
+        return True
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            text = f.read(_MARKER_SCAN)
+    except OSError:
+        return False
+    return re.search(rf"\bmark\.{re.escape(marker)}\b", text) is not None
+
+
+def remembered(config: Any) -> set[str]:
+    """The files whose tests earlier runs spawned (empty without pytest's cache)."""
+    cache = getattr(config, "cache", None)
+    found = cache.get(SPAWNED_KEY, []) if cache is not None else []
+    return {str(p) for p in found} if isinstance(found, list) else set()
+
+
+def remember(config: Any, spawned: Iterable[Path], collected: Iterable[Path]) -> None:
+    """Keep which of the collected files had spawned tests; others' entries stay."""
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return
+    rootdir = Path(config.rootpath)
+    before = remembered(config)
+    now = (before - {_relative(p, rootdir) for p in collected}) | {
+        _relative(p, rootdir) for p in spawned
+    }
+    if now != before:
+        cache.set(SPAWNED_KEY, sorted(now))
+
+
+def _relative(path: Path, rootdir: Path) -> str:
+    try:
+        return str(Path(path).relative_to(rootdir))
+    except ValueError:
+        return str(path)

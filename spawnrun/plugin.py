@@ -11,7 +11,6 @@ import bisect
 import contextlib
 import faulthandler
 import os
-import re
 import shutil
 import signal
 import threading
@@ -56,6 +55,8 @@ PEAKS_KEY = pytest.StashKey[dict[str, int]]()
 CACHE_PEAKS = "spawnrun/peaks"
 #: Node id -> position in session.items, to find the tests after the current one.
 INDEX_KEY = pytest.StashKey[dict[str, int]]()
+#: The files whose tests earlier runs spawned (``_early.remembered``), read once.
+REMEMBERED_KEY = pytest.StashKey[set[str]]()
 #: The tests that start a child, by position, as of how many templates were refused.
 STARTERS_KEY = pytest.StashKey[tuple[int, list[tuple[int, pytest.Item]]]]()
 #: Whether the run was told that /proc is missing (once).
@@ -300,7 +301,10 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     if scheduler is None or not scheduler.early.wants():
         return
     settings = config.stash[SETTINGS_KEY]
-    marked = _names_marker(path, settings.marker)
+    if REMEMBERED_KEY not in config.stash:
+        config.stash[REMEMBERED_KEY] = _early.remembered(config)
+    remembered = config.stash[REMEMBERED_KEY]
+    marked = _early.likely(path, settings.marker, remembered, config.rootpath)
     if not (marked or settings.spawn_gpu):
         return
     ids = config.stash[INVENTORY_KEY].ids
@@ -320,24 +324,18 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     scheduler.early.add(_early.EarlyChild(str(path), child, devices, env))
 
 
-def _names_marker(path: Path, marker: str) -> bool:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read(_MARKER_SCAN)
-    except OSError:
-        return False
-    return re.search(rf"\bmark\.{re.escape(marker)}\b", text) is not None
-
-
-#: How much of a test file is searched for the spawn marker's name.
-_MARKER_SCAN = 1 << 20
-
-
 @pytest.hookimpl
 def pytest_collection_finish(session: pytest.Session) -> None:
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is not None:
-        scheduler.collected({str(item.path) for item in session.items if _spawns(item)})
+        spawned = {item.path for item in session.items if _spawns(item)}
+        scheduler.collected({str(p) for p in spawned})
+        settings = session.config.stash[SETTINGS_KEY]
+        in_process = settings.no_spawn or settings.forced_inprocess
+        # Not from a worker (it writes no cache; the controller collects none), nor
+        # from a run that spawns nothing because it was told so.
+        if not _xdist_worker() and not in_process:
+            _early.remember(session.config, spawned, {i.path for i in session.items})
     _bytecode.stop()  # the tests see bytecode settings as they were
     holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:

@@ -190,3 +190,57 @@ def test_the_pool_dismisses_what_collection_or_the_session_end_leaves():
     assert pool.close() == [kept.child] and kept.child.closed
     assert pool.waiting == []
     assert not _early.Early(limit=0).wants()  # booting ahead is off
+
+
+CONFTEST_MARKS = """
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "gpu" in item.name:
+            item.add_marker(pytest.mark.gpu)
+"""
+
+
+def test_a_file_whose_tests_were_spawned_before_gets_a_child_next_time(pytester):
+    # The marker comes from the conftest, not the file's text: the first run cannot
+    # guess; pytest's cache tells the next one.
+    pytester.makeconftest(CONFTEST_MARKS)
+    pytester.makepyfile(test_marked="def test_on_gpu():\n    pass\n")
+    first = pytester.runpytest_subprocess("--spawn-lookahead", "1")
+    first.assert_outcomes(passed=1)
+    first.stdout.no_fnmatch_line("*started while collecting*")
+    second = pytester.runpytest_subprocess("--spawn-lookahead", "1")
+    second.assert_outcomes(passed=1)
+    second.stdout.fnmatch_lines(["1 child started while collecting (1 used)"])
+    third = pytester.runpytest_subprocess("--no-spawn")  # runs nothing spawned
+    third.assert_outcomes(passed=1)
+    fourth = pytester.runpytest_subprocess("--spawn-lookahead", "1")
+    fourth.stdout.fnmatch_lines(["1 child started while collecting (1 used)"])
+
+
+class _Cache:
+    def __init__(self) -> None:
+        self.data: dict[str, object] = {}
+
+    def get(self, key: str, default: object) -> object:
+        return self.data.get(key, default)
+
+    def set(self, key: str, value: object) -> None:
+        self.data[key] = value
+
+
+def test_the_files_remembered_are_those_whose_tests_were_spawned_when_last_collected(tmp_path):
+    config = type("Config", (), {"cache": _Cache(), "rootpath": tmp_path})()
+    a, b, c = (tmp_path / f"test_{n}.py" for n in "abc")
+    _early.remember(config, [a, b], [a, b, c])
+    assert _early.remembered(config) == {"test_a.py", "test_b.py"}
+    _early.remember(config, [], [b])  # b collected again, nothing of it spawned
+    assert _early.remembered(config) == {"test_a.py"}  # a was not collected: it stays
+    c.write_text("def test_c():\n    pass\n")
+    assert _early.likely(a, "gpu", _early.remembered(config), tmp_path)
+    assert not _early.likely(c, "gpu", _early.remembered(config), tmp_path)
+    c.write_text("import pytest\n\n@pytest.mark.gpu\ndef test_c():\n    pass\n")
+    assert _early.likely(c, "gpu", set(), tmp_path)
+    assert not _early.likely(c, "gpux", set(), tmp_path)
