@@ -14,9 +14,10 @@ since reach it with the go, as they reach a child booted ahead. A guess that tur
 wrong (the file's tests are not spawned, not selected, or need other devices) costs
 only that child's boot: it is dismissed.
 
-Which files get one (``likely``): every file with ``--spawn-gpu``; else a file whose
-text names the marker, or whose tests were spawned when an earlier run collected it
-(pytest's cache: a conftest that adds the marker, say).
+Which files get one (``guess``): every file with ``--spawn-gpu``; else a file whose
+text names the marker (planned on its default device count), or whose tests were
+spawned when an earlier run collected it (pytest's cache: a conftest that adds the
+marker, say), planned as its first spawned test was.
 """
 
 from __future__ import annotations
@@ -125,37 +126,56 @@ def _dismiss(early: EarlyChild) -> _runner.ChildProcess:
     return early.child
 
 
-def likely(path: Path, marker: str, remembered: set[str], rootdir: Path) -> bool:
-    """Whether the file's tests are likely spawned (without ``--spawn-gpu``)."""
-    if _relative(path, rootdir) in remembered:
-        return True
+#: A file's first spawned test, as a guess: (marked, its device count; None: the
+#: marker's default count).
+Guess = tuple[bool, "int | None"]
+
+
+def guess(path: Path, marker: str, remembered: dict[str, Guess], rootdir: Path) -> Guess | None:
+    """What the file's first spawned test likely needs (None: likely none is spawned).
+
+    An earlier run's record of the file, else the marker's default if its text names
+    the marker.
+    """
+    known = remembered.get(_relative(path, rootdir))
+    if known is not None:
+        return known
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read(_MARKER_SCAN)
     except OSError:
-        return False
-    return re.search(rf"\bmark\.{re.escape(marker)}\b", text) is not None
+        return None
+    if re.search(rf"\bmark\.{re.escape(marker)}\b", text) is None:
+        return None
+    return (True, None)
 
 
-def remembered(config: Any) -> set[str]:
-    """The files whose tests earlier runs spawned (empty without pytest's cache)."""
+def remembered(config: Any) -> dict[str, Guess]:
+    """What the first spawned test of each file needed when earlier runs collected it."""
     cache = getattr(config, "cache", None)
-    found = cache.get(SPAWNED_KEY, []) if cache is not None else []
-    return {str(p) for p in found} if isinstance(found, list) else set()
+    found = cache.get(SPAWNED_KEY, {}) if cache is not None else {}
+    if not isinstance(found, dict):
+        return {}
+    out: dict[str, Guess] = {}
+    for path, value in found.items():
+        if isinstance(value, list) and len(value) == 2 and isinstance(value[1], int):
+            out[str(path)] = (bool(value[0]), value[1])
+    return out
 
 
-def remember(config: Any, spawned: Iterable[Path], collected: Iterable[Path]) -> None:
-    """Keep which of the collected files had spawned tests; others' entries stay."""
+def remember(
+    config: Any, spawned: Mapping[Path, tuple[bool, int]], collected: Iterable[Path]
+) -> None:
+    """Keep what each collected file's first spawned test needed; others' entries stay."""
     cache = getattr(config, "cache", None)
     if cache is None:
         return
     rootdir = Path(config.rootpath)
     before = remembered(config)
-    now = (before - {_relative(p, rootdir) for p in collected}) | {
-        _relative(p, rootdir) for p in spawned
-    }
+    now = {k: v for k, v in before.items() if k not in {_relative(p, rootdir) for p in collected}}
+    now.update({_relative(p, rootdir): (bool(m), int(c)) for p, (m, c) in spawned.items()})
     if now != before:
-        cache.set(SPAWNED_KEY, sorted(now))
+        cache.set(SPAWNED_KEY, {k: [m, c] for k, (m, c) in sorted(now.items())})
 
 
 def _relative(path: Path, rootdir: Path) -> str:

@@ -56,7 +56,7 @@ CACHE_PEAKS = "spawnrun/peaks"
 #: Node id -> position in session.items, to find the tests after the current one.
 INDEX_KEY = pytest.StashKey[dict[str, int]]()
 #: The files whose tests earlier runs spawned (``_early.remembered``), read once.
-REMEMBERED_KEY = pytest.StashKey[set[str]]()
+REMEMBERED_KEY = pytest.StashKey[dict[str, "_early.Guess"]]()
 #: The tests that start a child, by position, as of how many templates were refused.
 STARTERS_KEY = pytest.StashKey[tuple[int, list[tuple[int, pytest.Item]]]]()
 #: Whether the run was told that /proc is missing (once).
@@ -293,9 +293,10 @@ def pytest_collect_file(
 def _boot_early(config: pytest.Config, path: Path) -> None:
     """Start a child for a test file whose tests will likely be spawned, if one is due.
 
-    Likely: every test is (``--spawn-gpu``), or the file names the spawn marker. Its
-    devices are guessed as the marker's default count (where too few are there, such
-    tests are skipped: none is started); a test that needs others dismisses it.
+    Likely: every test is (``--spawn-gpu``), the file names the spawn marker (its
+    default count is guessed), or an earlier run spawned its tests (what the first one
+    needed is guessed). Where too few devices are there, such tests are skipped: none
+    is started. A test that needs others dismisses it.
     """
     scheduler = config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None or not scheduler.early.wants():
@@ -303,15 +304,16 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     settings = config.stash[SETTINGS_KEY]
     if REMEMBERED_KEY not in config.stash:
         config.stash[REMEMBERED_KEY] = _early.remembered(config)
-    remembered = config.stash[REMEMBERED_KEY]
-    marked = _early.likely(path, settings.marker, remembered, config.rootpath)
+    guess = _early.guess(path, settings.marker, config.stash[REMEMBERED_KEY], config.rootpath)
+    marked, count = guess or (False, 0)
     if not (marked or settings.spawn_gpu):
-        return
+        return  # an unmarked test spawns with --spawn-gpu only
+    if count is None:
+        count = settings.count
     ids = config.stash[INVENTORY_KEY].ids
     capacity = config.stash[CAPACITY_KEY]
-    if marked and settings.count > len(ids):
+    if marked and count > len(ids):
         return  # such tests are skipped here (a machine without GPUs, say)
-    count = settings.count if marked else 0
     plan = _plan_from(marked, count, settings, {}, ids, capacity, None, None)
     devices = []
     if count and not plan.every:
@@ -328,7 +330,11 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is not None:
-        spawned = {item.path for item in session.items if _spawns(item)}
+        spawned: dict[Path, tuple[bool, int]] = {}
+        for item in session.items:
+            if _spawns(item):
+                plan = _plan_of(item)
+                spawned.setdefault(item.path, (not plan.every, plan.count))
         scheduler.collected({str(p) for p in spawned})
         settings = session.config.stash[SETTINGS_KEY]
         in_process = settings.no_spawn or settings.forced_inprocess

@@ -199,13 +199,14 @@ import pytest
 def pytest_collection_modifyitems(items):
     for item in items:
         if "gpu" in item.name:
-            item.add_marker(pytest.mark.gpu)
+            item.add_marker(pytest.mark.gpu(count=0))
 """
 
 
 def test_a_file_whose_tests_were_spawned_before_gets_a_child_next_time(pytester):
     # The marker comes from the conftest, not the file's text: the first run cannot
-    # guess; pytest's cache tells the next one.
+    # guess; pytest's cache tells the next one, devices included (none here, where the
+    # marker's default would be one of the two GPUs).
     pytester.makeconftest(CONFTEST_MARKS)
     pytester.makepyfile(test_marked="def test_on_gpu():\n    pass\n")
     first = pytester.runpytest_subprocess("--spawn-lookahead", "1")
@@ -231,16 +232,17 @@ class _Cache:
         self.data[key] = value
 
 
-def test_the_files_remembered_are_those_whose_tests_were_spawned_when_last_collected(tmp_path):
+def test_what_is_remembered_is_what_each_files_first_spawned_test_needed(tmp_path):
     config = type("Config", (), {"cache": _Cache(), "rootpath": tmp_path})()
     a, b, c = (tmp_path / f"test_{n}.py" for n in "abc")
-    _early.remember(config, [a, b], [a, b, c])
-    assert _early.remembered(config) == {"test_a.py", "test_b.py"}
-    _early.remember(config, [], [b])  # b collected again, nothing of it spawned
-    assert _early.remembered(config) == {"test_a.py"}  # a was not collected: it stays
+    _early.remember(config, {a: (True, 2), b: (False, 0)}, [a, b, c])
+    assert _early.remembered(config) == {"test_a.py": (True, 2), "test_b.py": (False, 0)}
+    _early.remember(config, {}, [b])  # b collected again, nothing of it spawned
+    assert _early.remembered(config) == {"test_a.py": (True, 2)}  # a not collected: kept
     c.write_text("def test_c():\n    pass\n")
-    assert _early.likely(a, "gpu", _early.remembered(config), tmp_path)
-    assert not _early.likely(c, "gpu", _early.remembered(config), tmp_path)
+    known = _early.remembered(config)
+    assert _early.guess(a, "gpu", known, tmp_path) == (True, 2)
+    assert _early.guess(c, "gpu", known, tmp_path) is None
     c.write_text("import pytest\n\n@pytest.mark.gpu\ndef test_c():\n    pass\n")
-    assert _early.likely(c, "gpu", set(), tmp_path)
-    assert not _early.likely(c, "gpux", set(), tmp_path)
+    assert _early.guess(c, "gpu", {}, tmp_path) == (True, None)  # the marker's default
+    assert _early.guess(c, "gpux", {}, tmp_path) is None
