@@ -420,14 +420,7 @@ class _Relay:
             return False
         if not isinstance(msg, proto.Assign):
             return False
-        self.spec = dataclasses.replace(
-            self.spec,
-            nodeid=msg.nodeid,
-            params=msg.params,
-            then=msg.then,
-            executions=msg.executions,
-            fork_each=msg.fork_each,
-        )
+        self.spec = msg.onto(self.spec)
         self.current = msg.nodeid
         return True
 

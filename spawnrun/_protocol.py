@@ -26,6 +26,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field
+from dataclasses import replace
 from typing import Any
 
 PROTOCOL_VERSION = 5
@@ -116,6 +117,17 @@ class Assign:
     then: list[str] = field(default_factory=list)
     executions: int = 0
     fork_each: bool = False
+
+    def onto(self, spec: ChildSpec) -> ChildSpec:
+        """``spec`` as the child's spec for this test."""
+        return replace(
+            spec,
+            nodeid=self.nodeid,
+            params=self.params,
+            then=self.then,
+            executions=self.executions,
+            fork_each=self.fork_each,
+        )
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ own), lead their own session, and get their environment before the interpreter s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import pickle
 import re
@@ -461,14 +460,7 @@ class ChildProcess:
 
     def assign(self, msg: proto.Assign) -> None:
         """Tell a child started before its test was known which one it is for."""
-        self.spec = dataclasses.replace(
-            self.spec,
-            nodeid=msg.nodeid,
-            params=msg.params,
-            then=msg.then,
-            executions=msg.executions,
-            fork_each=msg.fork_each,
-        )
+        self.spec = msg.onto(self.spec)
         if self.conn is not None:
             with contextlib.suppress(OSError):
                 self.conn.send(msg)
