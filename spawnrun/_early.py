@@ -172,7 +172,8 @@ def remember(
         return
     rootdir = Path(config.rootpath)
     before = remembered(config)
-    now = {k: v for k, v in before.items() if k not in {_relative(p, rootdir) for p in collected}}
+    seen = {_relative(p, rootdir) for p in collected}
+    now = {k: v for k, v in before.items() if k not in seen}
     now.update({_relative(p, rootdir): (bool(m), int(c)) for p, (m, c) in spawned.items()})
     if now != before:
         cache.set(SPAWNED_KEY, {k: [m, c] for k, (m, c) in sorted(now.items())})

@@ -49,8 +49,8 @@ def main(spec: proto.ZygoteSpec, conn: Connection) -> None:
     os.dup2(fd, 2)
     os.close(fd)
     os.chdir(spec.invocation_dir)
-    template = _Template(conn, spec.rewrite)
     try:
+        template = _Template(conn, spec.rewrite)
         template.load(spec.modules)
         template.serve()
     except BaseException:  # noqa: BLE001 - the parent must hear why, then spawns
@@ -59,7 +59,7 @@ def main(spec: proto.ZygoteSpec, conn: Connection) -> None:
 
 
 @contextlib.contextmanager
-def _rewriting(rewrite: proto.Rewrite | None) -> Iterator[None]:
+def _rewriting(hook: Any) -> Iterator[None]:
     """While importing: what pytest rewrites is rewritten, as the parent's pytest does.
 
     A plugin's package (hypothesis, xdist, jaxtyping...) is rewritten on import by a
@@ -69,10 +69,9 @@ def _rewriting(rewrite: proto.Rewrite | None) -> Iterator[None]:
     made, and the child's pytest takes it as rewritten: a fork no longer imports and
     rewrites every plugin package again (seconds on an image without bytecode).
     """
-    if rewrite is None:
+    if hook is None:
         yield
         return
-    hook = _rewrite_hook(rewrite)
     sys.meta_path.insert(0, hook)
     try:
         yield
@@ -176,7 +175,8 @@ class _Template:
 
     def __init__(self, conn: Connection, rewrite: proto.Rewrite | None = None) -> None:
         self.conn = conn
-        self.rewrite = rewrite
+        #: pytest's rewriting hook as the parent's is set up (None: nothing rewritten).
+        self.rewriter = _rewrite_hook(rewrite) if rewrite is not None else None
         self.refusal = ""
         #: pidfd -> pid of each forked child still running: its exit wakes us at once.
         self.children: dict[int, int] = {}
@@ -194,11 +194,11 @@ class _Template:
         for name in modules:
             groups.setdefault(name.partition(".")[0], []).append(name)
         suspects: list[str] = []
-        for top, names in groups.items():
-            if self.refusal:
-                break
-            before = {m.partition(".")[0] for m in sys.modules}
-            with _rewriting(self.rewrite):
+        with _rewriting(self.rewriter):
+            for top, names in groups.items():
+                if self.refusal:
+                    break
+                before = {m.partition(".")[0] for m in sys.modules}
                 for name in names:
                     if name in sys.modules:
                         continue
@@ -206,12 +206,12 @@ class _Template:
                         importlib.import_module(name)
                     except BaseException as exc:  # noqa: BLE001 - the children import it
                         failed.append(f"{name}: {exc!r}")
-            self.refusal = unsafe_state()
-            if self.refusal:
-                # The package, and every package its import brought in, are suspects.
-                culprit = top
-                now = {m.partition(".")[0] for m in sys.modules}
-                suspects = sorted({top} | (now - before))
+                self.refusal = unsafe_state()
+                if self.refusal:
+                    # The package, and every package its import brought in, are suspects.
+                    culprit = top
+                    now = {m.partition(".")[0] for m in sys.modules}
+                    suspects = sorted({top} | (now - before))
         # What the template imported lives as long as it does: keep the collector off it,
         # so children neither scan it (pytest's final collections took ~0.3 s with torch)
         # nor copy its pages by touching object headers (the pre-fork idiom gc.freeze is

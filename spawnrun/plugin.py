@@ -332,9 +332,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     if scheduler is not None:
         spawned: dict[Path, tuple[bool, int]] = {}
         for item in session.items:
-            if _spawns(item):
+            if item.path not in spawned and _spawns(item):  # the file's first spawned test
                 plan = _plan_of(item)
-                spawned.setdefault(item.path, (not plan.every, plan.count))
+                spawned[item.path] = (not plan.every, plan.count)
         scheduler.collected({str(p) for p in spawned})
         settings = session.config.stash[SETTINGS_KEY]
         in_process = settings.no_spawn or settings.forced_inprocess
