@@ -137,8 +137,8 @@ def test_a_child_started_for_other_devices_or_no_selected_test_runs_nothing(pyte
     )
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     result.assert_outcomes(passed=1, deselected=1)
-    assert ran.read_text().splitlines() != ["deselected test ran"]
-    assert len(ran.read_text().splitlines()) == 1
+    lines = ran.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].isdigit()  # test_two's pid; the deselected never ran
     result.stdout.fnmatch_lines(
         ["*::test_two PASSED*", "2 children started while collecting (0 used)"]
     )
