@@ -1,0 +1,282 @@
+"""What the dispatcher knows of a test, what it is told (events) and what it asks (actions).
+
+Runs in the parent; plain frozen data, no I/O. The driver turns pipes, exits, NVML and
+the xdist ledger into events; the dispatcher answers each with actions the driver
+performs. Every event carries ``now`` (seconds on the driver's monotonic clock): the
+dispatcher never reads a clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+#: A need that shares nothing (the same value as ``_packing.ALONE``).
+ALONE = None
+
+
+@dataclass(frozen=True)
+class Test:
+    """One spawned test as the dispatcher sees it: its plan, decided once at collection.
+
+    ``scope``: tests of one scope share a child, in the order they were submitted ("": a
+    child of its own). ``template``: its forks come from the template of that key (fast
+    mode; ""  none). ``key``: what a child started before the test was known must have
+    been started with (arguments and environment) for the test to take it.
+    """
+
+    id: str
+    count: int = 1
+    need: int | None = ALONE
+    every: bool = False
+    scope: str = ""
+    template: str = ""
+    timeout: float | None = None
+    #: What earlier runs measured (seconds), for ordering; None: unknown.
+    duration: float | None = None
+    key: str = ""
+
+
+class Kind(enum.Enum):
+    SPAWN = "spawned"
+    SCOPE = "scope"
+    EARLY = "started while collecting"
+    TEMPLATE = "template"
+    FORK = "fork"
+
+
+class Outcome(enum.Enum):
+    """How a test ended when its child could not report it (the driver words the report)."""
+
+    CRASHED = "crashed"
+    TIMEOUT = "timed out"
+    START_FAILED = "could not start"
+    STOPPED = "stopped"
+    STUCK = "could not be run"
+    UNFIT = "does not fit"
+
+
+# Events ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Event:
+    now: float
+
+
+@dataclass(frozen=True)
+class Submit(Event):
+    """pytest reached the test: it may start (in submission order, within its scope)."""
+
+    test: Test
+
+
+@dataclass(frozen=True)
+class Suite(Event):
+    """Every spawned test of the run in the order pytest will reach them (collection's end).
+
+    A scope's child is started for the scope's tests in this order; the tests after the
+    last submitted one are booted ahead.
+    """
+
+    tests: tuple[Test, ...]
+
+
+@dataclass(frozen=True)
+class Expect(Event):
+    """While collecting: a file's tests are likely spawned with ``key`` on ``count`` devices."""
+
+    key: str
+    count: int
+    need: int | None = ALONE
+
+
+@dataclass(frozen=True)
+class Collected(Event):
+    """Collection is over: children started for keys no test has are not needed."""
+
+    keys: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Booted(Event):
+    child: int
+
+
+@dataclass(frozen=True)
+class StartFailed(Event):
+    """The process could not be started or died before it booted (EMFILE, an import)."""
+
+    child: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Refused(Event):
+    """A template may not fork its tests (``why``): they get children of their own."""
+
+    child: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Done(Event):
+    """The child sent "done" for ``test``: its reports are complete.
+
+    ``interrupt``: the test called ``pytest.exit`` or was interrupted; ``poisoned``: its
+    failure says the process is broken, so a scope's child is replaced.
+    """
+
+    child: int
+    test: str
+    interrupt: bool = False
+    poisoned: bool = False
+
+
+@dataclass(frozen=True)
+class Exited(Event):
+    child: int
+    code: int
+
+
+@dataclass(frozen=True)
+class Released(Event):
+    """NVML lists none of the child's processes on its devices any more."""
+
+    child: int
+
+
+@dataclass(frozen=True)
+class Peers(Event):
+    """What other xdist workers hold now: (device, need) per claim."""
+
+    claims: tuple[tuple[str, int | None], ...]
+
+
+@dataclass(frozen=True)
+class Tick(Event):
+    """Time passed (a deadline the dispatcher asked for, or the driver's poll)."""
+
+
+@dataclass(frozen=True)
+class Stop(Event):
+    """The session stops (-x, --maxfail, an interrupt): nothing new starts."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Last(Event):
+    """pytest submitted its last spawned test: no scope waits for more."""
+
+
+# Actions -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Action:
+    pass
+
+
+@dataclass(frozen=True)
+class Start(Action):
+    """Start a child on ``devices`` (fixed for its life), for ``test`` if known.
+
+    A scope's child runs ``members`` in that order; an early child serves ``key``; a
+    fork comes from the template child ``parent``.
+    """
+
+    child: int
+    kind: Kind
+    devices: tuple[str, ...]
+    test: str = ""
+    scope: str = ""
+    members: tuple[str, ...] = ()
+    key: str = ""
+    parent: int = 0
+
+
+@dataclass(frozen=True)
+class Go(Action):
+    """The child runs ``test`` now (its timeout counts from here)."""
+
+    child: int
+    test: str
+
+
+@dataclass(frozen=True)
+class Dismiss(Action):
+    """The child gets no (more) tests: it tears down and exits."""
+
+    child: int
+
+
+@dataclass(frozen=True)
+class Kill(Action):
+    """End the child now (its stacks first, for a timeout)."""
+
+    child: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Replay(Action):
+    """Replay the reports the child sent for the test: the test is over."""
+
+    test: str
+
+
+@dataclass(frozen=True)
+class Report(Action):
+    """The test is over without reports of its own: the driver makes one."""
+
+    test: str
+    outcome: Outcome
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Drop(Action):
+    """The test will not run (the session stopped before it started): no report."""
+
+    test: str
+
+
+@dataclass(frozen=True)
+class Warn(Action):
+    test: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Interrupt(Action):
+    """Stop the session as the test did (after the actions before it)."""
+
+    test: str
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The dispatcher's limits, from the run's settings.
+
+    ``jobs``: tests running at once; ``lookahead``: children booted ahead of their turn;
+    ``early``: children started while collecting; ``capacity`` per device (None:
+    unknown, so budgets run alone); ``exit_grace``: from "done" or a dismissal to a
+    kill; ``kill_grace``: from a kill until the process is given up; ``settle``: how long
+    a device waits for NVML to release an exited child's memory; ``poll``: how often a
+    test waiting for another worker's devices looks again; ``patience``: waits longer
+    than this get a warning once.
+    """
+
+    devices: tuple[str, ...] = ("0",)
+    capacity: tuple[tuple[str, int | None], ...] = ()
+    per_gpu: int = 8
+    reserve: int = 1 << 30
+    jobs: int = 1
+    lookahead: int = 0
+    early: int = 0
+    exit_grace: float = 20.0
+    kill_grace: float = 5.0
+    settle: float = 10.0
+    poll: float = 0.05
+    patience: float = 600.0

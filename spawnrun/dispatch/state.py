@@ -1,0 +1,271 @@
+"""The dispatcher's state: tests, children, devices and claims, and the small queries on it.
+
+Runs in the parent; pure. ``Run`` holds the state and the primitive moves (start a child,
+end a test, give a claim back), each of which records its action; ``core.Dispatcher``
+makes the decisions on top of it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from spawnrun import _packing
+from spawnrun.dispatch import events as ev
+from spawnrun.dispatch.events import Kind
+from spawnrun.dispatch.units import IDLE
+from spawnrun.dispatch.units import Child
+from spawnrun.dispatch.units import Illegal
+from spawnrun.dispatch.units import State
+
+PEER = "peer"
+
+
+class Phase(enum.Enum):
+    KNOWN = "not reached"
+    WAITING = "waiting"
+    STARTED = "started"
+    ENDED = "ended"
+
+
+@dataclass
+class Entry:
+    test: ev.Test
+    phase: Phase = Phase.KNOWN
+    child: int = 0
+    submitted: float = 0.0
+    #: Its child booted ahead died before its turn: its report when the turn comes.
+    failed_ahead: str = ""
+    warned: bool = False
+    went: float | None = None
+    ended_by: str = ""
+
+
+class Run:
+    def __init__(self, settings: ev.Settings) -> None:
+        self.settings = settings
+        capacity = dict(settings.capacity)
+        self.pool = _packing.Pool(
+            settings.devices,
+            {d: capacity.get(d) for d in settings.devices},
+            settings.per_gpu,
+            settings.reserve,
+        )
+        self.tests: dict[str, Entry] = {}
+        #: Test ids in the order pytest reaches them (the suite's, then submissions').
+        self.order: list[str] = []
+        self.submitted: list[str] = []
+        self.queue: list[str] = []
+        self.children: dict[int, Child] = {}
+        self.templates: dict[str, Child] = {}
+        #: Templates that may not fork (key -> why).
+        self.refused: dict[str, str] = {}
+        self.stopping = ""
+        self.last = False
+        self.collecting = True
+        self.now = 0.0
+        self.out: list[ev.Action] = []
+        #: For the summary and the properties: tests reported stuck, children given up.
+        self.stuck = 0
+        self.lost = 0
+        self._ids = 0
+
+    # Moves ---------------------------------------------------------------------------
+
+    def emit(self, action: ev.Action) -> None:
+        self.out.append(action)
+
+    def know(self, test: ev.Test) -> Entry:
+        entry = self.tests.get(test.id)
+        if entry is None:
+            entry = self.tests[test.id] = Entry(test)
+            self.order.append(test.id)
+        elif entry.phase is Phase.KNOWN:
+            entry.test = test  # the plan at its turn is the one that counts
+        return entry
+
+    def end(self, entry: Entry, action: ev.Action) -> None:
+        if entry.phase is Phase.ENDED:
+            raise Illegal(f"{entry.test.id} ended twice ({entry.ended_by}, then {action})")
+        entry.phase, entry.ended_by = Phase.ENDED, type(action).__name__
+        self.emit(action)
+
+    def warn(self, test: str, text: str) -> None:
+        self.emit(ev.Warn(test, "spawnrun: " + text))
+
+    def start(
+        self,
+        kind: Kind,
+        devices: tuple[str, ...],
+        need: int | None,
+        test: ev.Test | None = None,
+        members: list[str] | None = None,
+        key: str = "",
+        parent: int = 0,
+    ) -> Child:
+        self._ids += 1
+        scope = test.scope if test is not None else ""
+        child = Child(self._ids, kind, devices, need, scope=scope, key=key, parent=parent)
+        child.test = test.id if test is not None else ""
+        child.members = list(members or [])
+        child.since = self.now
+        self.children[child.id] = child
+        if devices:
+            self.pool.take(devices, need, f"c{child.id}")
+        self.emit(
+            ev.Start(child.id, kind, devices, child.test, scope, tuple(child.members), key, parent)
+        )
+        return child
+
+    def go(self, child: Child, entry: Entry) -> None:
+        child.test = entry.test.id
+        timeout = entry.test.timeout
+        child.move(State.RUNNING, self.now, None if timeout is None else self.now + timeout)
+        entry.went = self.now
+        self.emit(ev.Go(child.id, entry.test.id))
+
+    def dismiss(self, child: Child) -> None:
+        if child.state in (State.STARTING, *IDLE):
+            child.move(State.EXITING, self.now, self.now + self.settings.exit_grace)
+            self.emit(ev.Dismiss(child.id))
+
+    def settled(self, child: Child) -> None:
+        child.move(State.GONE, self.now)
+        self.give_back(child)
+
+    def give_back(self, child: Child) -> None:
+        if child.devices:
+            self.pool.give_back(child.devices, f"c{child.id}")
+
+    def set_peers(self, claims: tuple[tuple[str, int | None], ...]) -> None:
+        for device in self.pool.ids:
+            self.pool.claims[device] = [c for c in self.pool.held(device) if c.token != PEER]
+        for device, need in claims:
+            if device in self.pool.ids:
+                self.pool.held(device).append(_packing.Claim(PEER, need))
+
+    # Queries -------------------------------------------------------------------------
+
+    def live_children(self) -> list[Child]:
+        return [c for c in self.children.values() if c.alive]
+
+    def live_or_settling(self) -> Iterator[Child]:
+        return (c for c in list(self.children.values()) if c.state is not State.GONE)
+
+    def wanted(self, test: ev.Test) -> int:
+        return len(self.pool.ids) if test.every else test.count
+
+    def choose(self, test: ev.Test, without: set[int] = frozenset()) -> tuple[str, ...] | None:  # type: ignore[assignment]
+        """Devices the test's claim fits on now (ignoring the claims of ``without``)."""
+        count = self.wanted(test)
+        if count == 0:
+            return ()
+        pool = self.pool
+        if without:
+            tokens = {f"c{i}" for i in without}
+            claims = {d: [c for c in pool.held(d) if c.token not in tokens] for d in pool.ids}
+            pool = _packing.Pool(pool.ids, pool.capacity, pool.per_gpu, pool.reserve, claims)
+        chosen = pool.choose(count, test.need)
+        return None if chosen is None else tuple(chosen)
+
+    def can_ever_fit(self, test: ev.Test) -> bool:
+        count = self.wanted(test)
+        empty = _packing.Pool(self.pool.ids, self.pool.capacity, self.pool.per_gpu, 0)
+        return count == 0 or empty.choose(count, test.need) is not None
+
+    def unfit_why(self, test: ev.Test) -> str:
+        need = "alone" if test.need is None else _packing.show(test.need)
+        return f"it needs {self.wanted(test)} device(s) ({need}); the run has {self.pool.ids}"
+
+    def in_slot(self) -> int:
+        return sum(1 for e in self.tests.values() if e.phase is Phase.STARTED)
+
+    def scope_child(self, scope: str) -> Child | None:
+        serving = (State.STARTING, State.READY, State.RUNNING, State.BETWEEN)
+        found = [c for c in self.children.values() if c.scope == scope and c.state in serving]
+        found = [c for c in found if c.kind in (Kind.SCOPE, Kind.EARLY) and c.members]
+        return found[-1] if found else None
+
+    def child_for(self, test: ev.Test) -> Child | None:
+        """A child booted ahead or started early that can run ``test``."""
+        for child in self.live_children():
+            if child.test == test.id and child.state in (State.STARTING, State.READY):
+                return child
+        for child in self.live_children():
+            if child.kind is not Kind.EARLY or child.test or child.key != test.key:
+                continue
+            if child.state not in (State.STARTING, State.READY):
+                continue
+            if len(child.devices) != self.wanted(test) or child.need != test.need:
+                self.dismiss(child)  # the guess was wrong: it runs nothing
+                continue
+            child.test, child.scope = test.id, test.scope
+            child.members = self.members(test)
+            return child
+        return None
+
+    def members(self, test: ev.Test) -> list[str]:
+        if not test.scope:
+            return [test.id]
+        waiting = (Phase.KNOWN, Phase.WAITING)
+        at = self.order.index(test.id)
+        later = [
+            t
+            for t in self.order[at + 1 :]
+            if self.tests[t].test.scope == test.scope and self.tests[t].phase in waiting
+        ]
+        return [test.id, *later]
+
+    def first_of_scope(self, test: ev.Test) -> bool:
+        if self.scope_child(test.scope) is not None:
+            return False
+        for tid in self.order:
+            entry = self.tests[tid]
+            if entry.test.scope == test.scope and entry.phase is not Phase.ENDED:
+                return tid == test.id
+        return False
+
+    def upcoming(self, n: int) -> list[ev.Test]:
+        if self.submitted:
+            at = max(self.order.index(t) for t in self.submitted) + 1
+        else:
+            at = 0
+        later = [self.tests[t] for t in self.order[at:]]
+        return [e.test for e in later if e.phase is Phase.KNOWN][:n]
+
+    def is_ahead(self, child: Child) -> bool:
+        if child.state not in (State.STARTING, State.READY) or not child.test:
+            return False
+        return self.tests[child.test].phase is Phase.KNOWN
+
+    def idle_holder(self, child: Child, head: ev.Test) -> bool:
+        """A child that holds devices while it waits for a test other than the head."""
+        if not child.devices or child.kind is Kind.FORK or child.test == head.id:
+            return False
+        if child.state in IDLE:
+            return not (child.members[:1] == [head.id])
+        unassigned = child.kind is Kind.EARLY and not child.test
+        return child.state is State.STARTING and (unassigned or self.is_ahead(child))
+
+    def next_wake(self) -> float | None:
+        """When the driver must send a ``Tick`` at the latest (None: only events matter)."""
+        times = [c.deadline for c in self.live_or_settling() if c.deadline is not None]
+        if self.queue and any(c.token == PEER for d in self.pool.ids for c in self.pool.held(d)):
+            times.append(self.now + self.settings.poll)
+        for tid in self.queue:
+            entry = self.tests[tid]
+            if not entry.warned:
+                times.append(entry.submitted + self.settings.patience)
+        return min(times) if times else None
+
+    def placed(self, test: str) -> bool:
+        """Whether pytest may go on past ``test`` (it started, ended, or waits in its scope)."""
+        entry = self.tests.get(test)
+        if entry is None or entry.phase in (Phase.STARTED, Phase.ENDED):
+            return entry is not None
+        if entry.phase is not Phase.WAITING or not entry.test.scope:
+            return False
+        child = self.scope_child(entry.test.scope)
+        busy = (State.STARTING, State.READY, State.RUNNING)
+        return child is not None and child.state in busy and test in child.members

@@ -1,0 +1,1 @@
+"""A deterministic simulator for the dispatcher (``world``)."""

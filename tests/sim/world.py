@@ -1,0 +1,373 @@
+"""A deterministic world for the dispatcher: simulated children, a fake clock, and pytest.
+
+``World.run`` drives ``spawnrun.dispatch.Dispatcher`` as the driver does: it submits the
+tests in pytest's order and, for each, waits until the dispatcher has placed it, while
+the simulated processes boot, run, crash, linger and exit on a clock that jumps from
+event to event. It keeps its own record of every process and checks, after every batch:
+
+* a device never holds more than its capacity (budgets plus a reserve each) or its cap,
+  and a test that runs alone shares its device with no live process;
+* actions respect the processes: a go only to a booted idle child, no action to one
+  that has exited;
+* a scope's child runs its tests in the order they were submitted.
+
+A state in which the simulated pytest waits and nothing is due (no process event, no
+tick asked for) is a hang: ``Hang`` is raised with the dispatcher's state.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from dataclasses import field
+
+from spawnrun.dispatch import Dispatcher
+from spawnrun.dispatch import events as ev
+from spawnrun.dispatch.events import Kind
+from spawnrun.dispatch.events import Outcome
+from spawnrun.dispatch.live import dump
+
+#: What a simulated test does. "pass"/"fail": reports and exits; "crash": dies while
+#: running; "boot-die": dies while booting; "start-fail": cannot be started; "exit-3":
+#: exits with status 3 after "done"; "linger": does not exit after "done" until killed;
+#: "unkillable": not even then; "interrupt": calls pytest.exit; "poison": fails with an
+#: error that says the process is broken.
+FATES = (
+    "pass",
+    "fail",
+    "crash",
+    "boot-die",
+    "start-fail",
+    "exit-3",
+    "linger",
+    "unkillable",
+    "interrupt",
+    "poison",
+)
+FAILING = {"fail", "crash", "boot-die", "start-fail", "poison"}
+
+
+class Hang(AssertionError):
+    pass
+
+
+class Unsafe(AssertionError):
+    pass
+
+
+@dataclass
+class Spec:
+    test: ev.Test
+    duration: float = 0.5
+    boot: float = 1.0
+    fate: str = "pass"
+    exit_after: float = 0.05
+    release: float = 0.0
+
+
+@dataclass
+class Proc:
+    child: int
+    kind: Kind
+    devices: tuple[str, ...]
+    need: int | None
+    test: str
+    members: tuple[str, ...]
+    booted: bool = False
+    exited: bool = False
+    released: bool = False
+    running: str = ""
+    ran: list[str] = field(default_factory=list)
+    last_fate: str = "pass"
+    epoch: int = 0
+
+
+@dataclass
+class Result:
+    ends: dict[str, list[str]]
+    warnings: list[tuple[str, str]]
+    stuck: list[str]
+    time: float
+    procs: dict[int, Proc]
+    stopped: bool
+    dispatcher: Dispatcher
+
+
+class World:
+    def __init__(
+        self,
+        settings: ev.Settings,
+        specs: list[Spec],
+        maxfail: int = 0,
+        expect: tuple[tuple[str, int, int | None], ...] = (),
+        peers: tuple[tuple[float, float, str, int | None], ...] = (),
+        suite: bool = True,
+        template_refuses: frozenset[str] = frozenset(),
+    ) -> None:
+        self.settings = settings
+        self.specs = {s.test.id: s for s in specs}
+        self.order = [s.test.id for s in specs]
+        self.maxfail = maxfail
+        self.expect = expect
+        self.peers = peers
+        self.suite = suite
+        self.template_refuses = template_refuses
+        self.d = Dispatcher(settings)
+        self.now = 0.0
+        self.queue: list[tuple[float, int, ev.Event]] = []
+        self.seq = itertools.count()
+        self.procs: dict[int, Proc] = {}
+        self.ends: dict[str, list[str]] = {}
+        self.warnings: list[tuple[str, str]] = []
+        self.stuck: list[str] = []
+        self.failures = 0
+        self.stopped = False
+        self.steps = 0
+        capacity = dict(settings.capacity)
+        self.capacity = {dv: capacity.get(dv) for dv in settings.devices}
+
+    def __repr__(self) -> str:
+        specs = ",\n  ".join(repr(s) for s in self.specs.values())
+        return (
+            f"World({self.settings!r},\n  [{specs}],\n  maxfail={self.maxfail}, "
+            f"expect={self.expect!r}, peers={self.peers!r}, "
+            f"template_refuses={set(self.template_refuses)!r})"
+        )
+
+    # Driving -------------------------------------------------------------------------
+
+    def run(self) -> Result:
+        first: list[ev.Event] = []
+        for key, count, need in self.expect:
+            first.append(ev.Expect(0.0, key, count, need))
+        if self.expect:
+            first.append(ev.Collected(0.0, frozenset(s.test.key for s in self.specs.values())))
+        if self.suite:
+            first.append(ev.Suite(0.0, tuple(s.test for s in self.specs.values())))
+        for start, end, device, need in self.peers:
+            self._at(start, ev.Peers(start, ((device, need),)))
+            self._at(end, ev.Peers(end, ()))
+        if first:
+            self._apply(self.d.handle(*first))
+        for tid in self.order:
+            if self.stopped:
+                break
+            self._apply(self.d.handle(ev.Submit(self.now, self.specs[tid].test)))
+            self._until(lambda tid=tid: self.d.placed(tid) or self.stopped, f"placing {tid}")
+        if not self.stopped:
+            self._apply(self.d.handle(ev.Last(self.now)))
+        self._until(self._drained, "draining")
+        return Result(
+            self.ends, self.warnings, self.stuck, self.now, self.procs, self.stopped, self.d
+        )
+
+    def _drained(self) -> bool:
+        submitted = self.d.submitted
+        return all(t in self.ends for t in submitted) and all(
+            p.released or p.child in self._given_up() for p in self.procs.values()
+        )
+
+    def _given_up(self) -> set[int]:
+        return {c.id for c in self.d.children.values() if c.state.value == "gone"}
+
+    def _until(self, done, what: str) -> None:  # type: ignore[no-untyped-def]
+        while not done():
+            self.steps += 1
+            if self.steps > 20000:
+                raise Hang(f"no end after 20000 steps while {what}")
+            wake = self.d.next_wake()
+            due = self.queue[0][0] if self.queue else None
+            if due is None and wake is None:
+                raise Hang(f"nothing due while {what}:\n{self._state()}")
+            if due is not None and (wake is None or due <= wake):
+                self.now = max(self.now, due)
+                batch = []
+                while self.queue and self.queue[0][0] <= self.now:
+                    event = heapq.heappop(self.queue)[2]
+                    if self._observe(event):
+                        batch.append(event)
+                if batch:
+                    self._apply(self.d.handle(*batch))
+            else:
+                self.now = max(self.now, wake)  # type: ignore[type-var]
+                self._apply(self.d.handle(ev.Tick(self.now)))
+
+    def _observe(self, event: ev.Event) -> bool:
+        """The world's side of an event; False: it is the world's own, not the driver's."""
+        proc = self.procs.get(getattr(event, "child", -1))
+        if isinstance(event, _Freed):
+            if proc is not None:
+                proc.released = True
+            return False
+        if isinstance(event, ev.Booted) and proc is not None:
+            proc.booted = True
+        if isinstance(event, ev.Done) and proc is not None:
+            proc.running = ""
+        return True
+
+    def _state(self) -> str:
+        waiting = [t for t in self.d.queue]
+        return dump(self.d, waiting[0]) if waiting else repr(list(self.d.children.values()))
+
+    def _at(self, when: float, event: ev.Event) -> None:
+        heapq.heappush(self.queue, (when, next(self.seq), event))
+
+    # Effects -------------------------------------------------------------------------
+
+    def _apply(self, actions: list[ev.Action]) -> None:
+        for action in actions:
+            getattr(self, "_" + type(action).__name__.lower())(action)
+        self._check_safety()
+
+    def _start(self, a: ev.Start) -> None:
+        proc = Proc(a.child, a.kind, a.devices, self.d.children[a.child].need, a.test, a.members)
+        self.procs[a.child] = proc
+        spec = self.specs.get(a.test)
+        fate = spec.fate if spec is not None and a.kind is not Kind.TEMPLATE else "pass"
+        boot = spec.boot if spec is not None else 1.0
+        if a.kind is Kind.FORK:
+            boot = 0.01
+        if a.kind is Kind.TEMPLATE:
+            boot = 1.5
+        if fate == "start-fail" and a.kind is not Kind.EARLY:
+            proc.exited = proc.released = True
+            self._at(self.now, ev.StartFailed(self.now, a.child, "EMFILE"))
+        elif fate == "boot-die" and a.kind is not Kind.EARLY:
+            self._exit(proc, self.now + boot / 2, 1)
+        elif a.kind is Kind.TEMPLATE and a.key in self.template_refuses:
+            self._at(self.now + boot, ev.Refused(self.now + boot, a.child, "a thread runs"))
+            proc.booted = True
+        else:
+            self._at(self.now + boot, ev.Booted(self.now + boot, a.child))
+
+    def _go(self, a: ev.Go) -> None:
+        proc = self.procs[a.child]
+        if proc.exited or proc.running:
+            raise Unsafe(f"go to child {a.child} that is exited or busy ({proc})")
+        if not proc.booted:
+            raise Unsafe(f"go to child {a.child} before it booted")
+        if a.test not in self.d.submitted:
+            raise Unsafe(f"{a.test} runs before pytest reached it")
+        if proc.ran and self.order.index(a.test) < self.order.index(proc.ran[-1]):
+            raise Unsafe(f"child {a.child} got {a.test} after {proc.ran}: out of order")
+        spec = self.specs[a.test]
+        proc.running = a.test
+        proc.ran.append(a.test)
+        proc.epoch += 1
+        start = self.now
+        end = start + spec.duration
+        fate = spec.fate
+        proc.last_fate = fate
+        if fate == "crash":
+            self._exit(proc, start + spec.duration / 2, -11)
+            return
+        done = ev.Done(
+            end, a.child, a.test, interrupt=fate == "interrupt", poisoned=fate == "poison"
+        )
+        self._at(end, done)
+        more = proc.kind in (Kind.SCOPE, Kind.EARLY) and proc.members[-1:] != (a.test,)
+        if fate in ("linger", "unkillable") or (more and fate != "poison"):
+            return  # waits for its next test, a dismissal or a kill
+        self._exit(proc, end + spec.exit_after, 3 if fate == "exit-3" else 0)
+
+    def _exit(self, proc: Proc, when: float, code: int) -> None:
+        if proc.exited:
+            return
+        proc.exited = True
+        self._at(when, ev.Exited(when, proc.child, code))
+        spec = self.specs.get(proc.running or proc.test)
+        release = min(spec.release if spec is not None else 0.0, self.settings.settle)
+        if proc.devices:
+            self._at(when + release, ev.Released(when + release, proc.child))
+        self._at(when + release, _Freed(when + release, proc.child))
+
+    def _dismiss(self, a: ev.Dismiss) -> None:
+        proc = self.procs[a.child]
+        if proc.last_fate in ("linger", "unkillable") and proc.ran:
+            return
+        self._exit(proc, self.now + 0.05, 0)
+
+    def _kill(self, a: ev.Kill) -> None:
+        proc = self.procs[a.child]
+        self._drop_pending(proc)
+        if proc.last_fate == "unkillable" and proc.ran:
+            return
+        self._exit(proc, self.now + 0.01, -9)
+
+    def _drop_pending(self, proc: Proc) -> None:
+        keep = []
+        for when, seq, e in self.queue:
+            if isinstance(e, (ev.Done, ev.Booted)) and getattr(e, "child", None) == proc.child:
+                continue
+            if isinstance(e, ev.Exited) and e.child == proc.child and not proc.exited:
+                continue
+            keep.append((when, seq, e))
+        self.queue = keep
+        heapq.heapify(self.queue)
+        proc.running = ""
+
+    def _replay(self, a: ev.Replay) -> None:
+        self._ended(a.test, "replay")
+        for proc in self.procs.values():
+            if proc.running == a.test:
+                proc.running = ""
+        if self.specs[a.test].fate in FAILING:
+            self._failed()
+
+    def _report(self, a: ev.Report) -> None:
+        self._ended(a.test, "report:" + a.outcome.name)
+        if a.outcome is Outcome.STUCK:
+            self.stuck.append(a.test)
+        if a.outcome is not Outcome.STOPPED:
+            self._failed()
+
+    def _drop(self, a: ev.Drop) -> None:
+        self._ended(a.test, "drop")
+
+    def _warn(self, a: ev.Warn) -> None:
+        self.warnings.append((a.test, a.text))
+
+    def _interrupt(self, a: ev.Interrupt) -> None:
+        self._stop("interrupted")
+
+    def _ended(self, test: str, how: str) -> None:
+        self.ends.setdefault(test, []).append(how)
+
+    def _failed(self) -> None:
+        self.failures += 1
+        if self.maxfail and self.failures >= self.maxfail:
+            self._stop("-x")
+
+    def _stop(self, why: str) -> None:
+        if not self.stopped:
+            self.stopped = True
+            self._at(self.now, ev.Stop(self.now, why))
+
+    # Safety --------------------------------------------------------------------------
+
+    def _check_safety(self) -> None:
+        gone = self._given_up()  # unkillable, given up with a warning
+        for device in self.settings.devices:
+            holders = [
+                p
+                for p in self.procs.values()
+                if device in p.devices and not p.released and p.child not in gone
+            ]
+            alone = [p for p in holders if p.need is None]
+            if alone and len(holders) > 1:
+                raise Unsafe(f"gpu {device}: alone with others: {[p.child for p in holders]}")
+            if len(holders) > self.settings.per_gpu:
+                raise Unsafe(f"gpu {device}: {len(holders)} processes, cap {self.settings.per_gpu}")
+            capacity = self.capacity[device]
+            if capacity is not None and len(holders) > 1:
+                used = sum((p.need or 0) + self.settings.reserve for p in holders)
+                if used > capacity:
+                    raise Unsafe(f"gpu {device}: {used} bytes claimed of {capacity}")
+
+
+@dataclass(frozen=True)
+class _Freed(ev.Event):
+    """The world's own note that a process's devices are free (not sent to the dispatcher)."""
+
+    child: int
