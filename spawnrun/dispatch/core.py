@@ -52,16 +52,26 @@ Placed = str  # "started", "behind", "blocked", "ended"
 
 class Dispatcher(Run):
     def handle(self, *events: ev.Event) -> list[ev.Action]:
-        """Take a batch of events (those of one loop turn) and return what to do."""
+        """Take a batch of events (those of one loop turn) and return what follows.
+
+        Only what the events end or kill: the driver replays those reports (which may
+        stop the session: ``Stop``) before it asks ``step`` what to start next.
+        """
         self.out, interrupts = [], []
         for event in events:
             self.now = max(self.now, event.now)
             if isinstance(event, ev.Done) and event.interrupt:
                 interrupts.append(ev.Interrupt(event.test))
             self._on(event)
-        self._schedule()
         out, self.out = self.out, []
         return out + interrupts
+
+    def step(self) -> list[ev.Action]:
+        """The decisions: what starts, runs, is dismissed, or is reported stuck now."""
+        self.out = []
+        self._schedule()
+        out, self.out = self.out, []
+        return out
 
     # Events --------------------------------------------------------------------------
 

@@ -92,6 +92,7 @@ class Result:
     procs: dict[int, Proc]
     stopped: bool
     dispatcher: Dispatcher
+    actions: list[ev.Action]
 
 
 class World:
@@ -123,7 +124,9 @@ class World:
         self.stuck: list[str] = []
         self.failures = 0
         self.stopped = False
+        self.stop_due = ""
         self.steps = 0
+        self.log: list[ev.Action] = []
         capacity = dict(settings.capacity)
         self.capacity = {dv: capacity.get(dv) for dv in settings.devices}
 
@@ -146,7 +149,11 @@ class World:
         if self.suite:
             first.append(ev.Suite(0.0, tuple(s.test for s in self.specs.values())))
         for start, end, device, need in self.peers:
-            self._at(start, ev.Peers(start, ((device, need),)))
+            claim = ev.Peers(start, ((device, need),))
+            if start == 0.0:
+                first.append(claim)
+            else:
+                self._at(start, claim)
             self._at(end, ev.Peers(end, ()))
         if first:
             self._apply(self.d.handle(*first))
@@ -159,7 +166,14 @@ class World:
             self._apply(self.d.handle(ev.Last(self.now)))
         self._until(self._drained, "draining")
         return Result(
-            self.ends, self.warnings, self.stuck, self.now, self.procs, self.stopped, self.d
+            self.ends,
+            self.warnings,
+            self.stuck,
+            self.now,
+            self.procs,
+            self.stopped,
+            self.d,
+            self.log,
         )
 
     def _drained(self) -> bool:
@@ -216,6 +230,15 @@ class World:
     # Effects -------------------------------------------------------------------------
 
     def _apply(self, actions: list[ev.Action]) -> None:
+        """Perform what the events caused, tell a stop, then perform the decisions."""
+        self._perform(actions)
+        if self.stop_due:
+            self._perform(self.d.handle(ev.Stop(self.now, self.stop_due)))
+            self.stop_due = ""
+        self._perform(self.d.step())
+
+    def _perform(self, actions: list[ev.Action]) -> None:
+        self.log.extend(actions)
         for action in actions:
             getattr(self, "_" + type(action).__name__.lower())(action)
         self._check_safety()
@@ -342,7 +365,7 @@ class World:
     def _stop(self, why: str) -> None:
         if not self.stopped:
             self.stopped = True
-            self._at(self.now, ev.Stop(self.now, why))
+            self.stop_due = why
 
     # Safety --------------------------------------------------------------------------
 

@@ -1,0 +1,230 @@
+"""The hangs and losses that were seen, each as a simulator case for the dispatcher.
+
+Each case is a suite of the shape that hung or lost a report on the old scheduler. A
+case that exercises a rule is also run with that rule taken out (``without``): it must
+then hang or break, which shows the case tests the rule and not nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+from sim.world import Result
+from sim.world import Spec
+from sim.world import Unsafe
+from sim.world import World
+
+from spawnrun.dispatch import Dispatcher
+from spawnrun.dispatch import events as ev
+
+GiB = 1 << 30
+H200 = 140 * GiB
+
+
+def _settings(**kw: object) -> ev.Settings:
+    base: dict[str, object] = dict(
+        devices=("0",),
+        capacity=(("0", H200),),
+        per_gpu=8,
+        jobs=8,
+        lookahead=2,
+        exit_grace=20.0,
+        kill_grace=5.0,
+        settle=10.0,
+    )
+    base.update(kw)
+    return ev.Settings(**base)  # type: ignore[arg-type]
+
+
+def _outcomes(world: World) -> dict[str, str]:
+    result = world.run()
+    assert result.stuck == []
+    return {t: hows[0] for t, hows in result.ends.items()}
+
+
+def _reports_of(result: Result, test: str) -> list[ev.Report]:
+    return [a for a in result.actions if isinstance(a, ev.Report) and a.test == test]
+
+
+def _learned_second_run() -> list[Spec]:
+    """Case 1's file: budgets, exclusive tests, bare tests with learned budgets, one more."""
+    tpl = "tpl test_mixed.py"
+    specs = [
+        Spec(ev.Test(f"budget{i}", need=GiB * (1 + i % 3), template=tpl), duration=0.1 * (i % 6))
+        for i in range(10)
+    ]
+    specs += [Spec(ev.Test(f"exclusive{i}", template=tpl), duration=0.3) for i in range(3)]
+    specs += [Spec(ev.Test(f"bare{i}", need=2 * GiB, template=tpl), duration=0.2) for i in range(2)]
+    specs += [Spec(ev.Test("exclusive3", template=tpl), duration=0.3)]
+    return specs
+
+
+def _interleaved_scopes(scope: str) -> list[Spec]:
+    """A conftest that interleaves two modules' tests (or --ff after failures in both)."""
+    return [
+        Spec(ev.Test(f"{m}{i}", scope=f"{scope} {m}"), duration=0.2) for i in range(3) for m in "ab"
+    ]
+
+
+def test_fast_mode_with_learned_budgets_finishes() -> None:
+    specs = _learned_second_run()
+    outcomes = _outcomes(World(_settings(), specs))
+    assert outcomes == {s.test.id: "replay" for s in specs}
+
+
+@pytest.mark.parametrize("scope", ["module", "class"])
+@pytest.mark.parametrize("lookahead", [0, 2])
+def test_scopes_out_of_their_order_finish_and_never_share(scope: str, lookahead: int) -> None:
+    specs = _interleaved_scopes(scope)
+    # World checks that no two alone tests ever hold gpu 0 at once, and the order in
+    # each child.
+    outcomes = _outcomes(World(_settings(lookahead=lookahead), specs))
+    assert outcomes == {s.test.id: "replay" for s in specs}
+
+
+def test_an_idle_scope_child_is_dismissed_before_it_blocks_the_head(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the rule the idle child of scope a holds gpu 0 while b0 waits for it.
+
+    Nothing can move then: the liveness check reports b0 instead of hanging.
+    """
+    specs = _interleaved_scopes("module")
+    monkeypatch.setattr(Dispatcher, "_preempt", lambda self, head: None)
+    result = World(_settings(lookahead=0), specs).run()
+    assert result.stuck
+    (text,) = {a.detail for a in _reports_of(result, result.stuck[0])}
+    assert "nothing could start this test" in text and "between tests" in text
+
+
+@pytest.mark.parametrize("fate", ["linger", "exit-3"])
+def test_a_fork_that_does_not_exit_cleanly_is_blamed_and_the_next_passes(fate: str) -> None:
+    """A non-daemon thread or an atexit that hangs, or one that exits 3, after "done"."""
+    tpl = "tpl test_threads.py"
+    specs = [
+        Spec(ev.Test("leaves_a_thread", template=tpl), duration=0.1, fate=fate),
+        Spec(ev.Test("next_one", template=tpl), duration=0.1),
+    ]
+    world = World(_settings(), specs)
+    result = world.run()
+    assert {t: h[0] for t, h in result.ends.items()} == {
+        "leaves_a_thread": "replay",
+        "next_one": "replay",
+    }
+    assert [t for t, _ in result.warnings] == ["leaves_a_thread"]
+    if fate == "linger":
+        assert "did not exit within 20s" in result.warnings[0][1]
+
+
+def test_a_child_that_cannot_start_gives_its_device_back() -> None:
+    """EMFILE while starting: the test gets the error, later tests on the device run."""
+    specs = [Spec(ev.Test("emfile"), fate="start-fail")]
+    specs += [Spec(ev.Test(f"after{i}"), duration=0.1) for i in range(3)]
+    outcomes = _outcomes(World(_settings(jobs=1), specs))
+    assert outcomes == {
+        "emfile": "report:START_FAILED",
+        "after0": "replay",
+        "after1": "replay",
+        "after2": "replay",
+    }
+
+
+def test_a_child_that_cannot_be_killed_is_given_up_with_a_warning() -> None:
+    specs = [Spec(ev.Test("stuck_in_the_driver"), duration=0.1, fate="unkillable")]
+    specs += [Spec(ev.Test("next"), duration=0.1)]
+    result = World(_settings(jobs=1), specs).run()
+    assert {t: h[0] for t, h in result.ends.items()} == {
+        "stuck_in_the_driver": "replay",
+        "next": "replay",
+    }
+    texts = [text for test, text in result.warnings if test == "stuck_in_the_driver"]
+    assert any("could not be killed" in text for text in texts)
+
+
+def test_a_test_that_passes_in_the_turn_of_an_interrupt_is_still_reported() -> None:
+    """One child calls pytest.exit while another's "done" arrives in the same loop turn."""
+    specs = [
+        Spec(ev.Test("exits", count=1), duration=1.0, boot=0.5, fate="interrupt"),
+        Spec(ev.Test("passes", count=1), duration=1.0, boot=0.5),
+    ]
+    devices = ("0", "1")
+    config = _settings(devices=devices, capacity=tuple((d, H200) for d in devices), jobs=2)
+    result = World(config, specs).run()
+    assert result.ends == {"exits": ["replay"], "passes": ["replay"]}
+
+
+def test_the_first_dispatcher_answer_to_an_interrupt_comes_last() -> None:
+    d = Dispatcher(_settings(devices=("0", "1"), capacity=(), jobs=2))
+    for test in ("a", "b"):
+        d.handle(ev.Submit(0, ev.Test(test)))
+        d.step()
+    assert d.handle(ev.Booted(1, 1), ev.Booted(1, 2)) == [ev.Go(1, "a"), ev.Go(2, "b")]
+    actions = d.handle(ev.Done(2, 1, "a", interrupt=True), ev.Done(2, 2, "b"))
+    assert actions == [ev.Replay("a"), ev.Replay("b"), ev.Interrupt("a")]
+
+
+def test_waiting_for_another_workers_device_is_bounded_by_polls() -> None:
+    specs = [Spec(ev.Test("mine"), duration=0.1)]
+    world = World(_settings(jobs=1), specs, peers=((0.0, 30.0, "0", None),))
+    result = world.run()
+    assert result.ends == {"mine": ["replay"]}
+    assert result.time >= 30.0
+
+
+def test_a_test_that_never_fits_gets_a_report_not_a_wait() -> None:
+    specs = [Spec(ev.Test("huge", need=200 * GiB)), Spec(ev.Test("small", need=GiB))]
+    outcomes = _outcomes(World(_settings(), specs))
+    assert outcomes == {"huge": "report:UNFIT", "small": "replay"}
+
+
+def test_an_early_child_with_the_wrong_guess_is_dismissed_and_runs_nothing() -> None:
+    """A file's first test has a budget: the child started with no budget does not fit."""
+    specs = [Spec(ev.Test("first", need=2 * GiB, key="test_a.py"), duration=0.1)]
+    world = World(_settings(early=2), specs, expect=(("test_a.py", 1, None),))
+    result = world.run()
+    assert result.ends == {"first": ["replay"]}
+    early = [p for p in result.procs.values() if p.kind is ev.Kind.EARLY]
+    assert len(early) == 1 and early[0].ran == []
+
+
+def test_an_early_child_that_matches_is_taken() -> None:
+    specs = [Spec(ev.Test("first", key="test_a.py"), duration=0.1)]
+    result = World(_settings(early=2), specs, expect=(("test_a.py", 1, None),)).run()
+    assert [p.ran for p in result.procs.values()] == [["first"]]
+
+
+def test_a_stop_dismisses_idle_scope_children_so_their_teardown_runs() -> None:
+    """-x under a module scope: the idle child is dismissed (not killed)."""
+    specs = [
+        Spec(ev.Test("a0", scope="module a"), duration=0.1, fate="fail"),
+        Spec(ev.Test("a1", scope="module a"), duration=0.1),
+    ]
+    world = World(_settings(jobs=1), specs, maxfail=1)
+    kills: list[ev.Kill] = []
+    original = world._kill
+
+    def record(action: ev.Kill) -> None:
+        kills.append(action)
+        original(action)
+
+    world._kill = record  # type: ignore[method-assign]
+    result = world.run()
+    assert result.ends == {"a0": ["replay"], "a1": ["drop"]}  # as in-process: not run
+    assert kills == []
+    assert [p.ran for p in result.procs.values()] == [["a0"]]
+
+
+def test_a_go_before_boot_is_caught_by_the_world(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The world itself can fail: a dispatcher that sends go at start is caught."""
+    from spawnrun.dispatch.state import Run
+
+    start = Run.start
+
+    def eager(self, kind, devices, need, test=None, members=None, key="", parent=0):  # type: ignore[no-untyped-def]
+        child = start(self, kind, devices, need, test, members, key, parent)
+        if test is not None:
+            self.emit(ev.Go(child.id, test.id))
+        return child
+
+    monkeypatch.setattr(Run, "start", eager)
+    with pytest.raises(Unsafe):
+        World(_settings(), [Spec(ev.Test("a"))]).run()
