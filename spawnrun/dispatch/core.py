@@ -22,27 +22,18 @@ Policy, in full:
   no child is in a state that ends by itself (a live process or a deadline), no other
   worker holds a device, the head is reported as one that could not be run, with what
   it waited for, and the run goes on (``live.explain``).
-* **Ends.** "done" replays the test; an exit before it is a crash; a timeout kills the
-  child; a child that does not exit in ``exit_grace`` is killed, one that outlives its
-  kill by ``kill_grace`` is given up, with a warning on its last test, and so is a
-  non-zero exit after "done". On a stop nothing new starts, waiting tests are dropped,
-  running tests are stopped and idle children dismissed (their teardown runs). An
-  interrupt's ``Interrupt`` comes after every action of its batch, so a test that
-  finished in the same turn is still replayed.
+* **Ends** are ``ends.Ends``'s: what each way a child ends means for its test.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
-from spawnrun import _packing
 from spawnrun.dispatch import events as ev
 from spawnrun.dispatch import live
+from spawnrun.dispatch.ends import Ends
 from spawnrun.dispatch.events import Kind
 from spawnrun.dispatch.events import Outcome
 from spawnrun.dispatch.state import Entry
 from spawnrun.dispatch.state import Phase
-from spawnrun.dispatch.state import Run
 from spawnrun.dispatch.units import IDLE
 from spawnrun.dispatch.units import Child
 from spawnrun.dispatch.units import State
@@ -50,7 +41,7 @@ from spawnrun.dispatch.units import State
 Placed = str  # "started", "behind", "blocked", "ended"
 
 
-class Dispatcher(Run):
+class Dispatcher(Ends):
     def handle(self, *events: ev.Event) -> list[ev.Action]:
         """Take a batch of events (those of one loop turn) and return what follows.
 
@@ -122,162 +113,6 @@ class Dispatcher(Run):
         devices = self.choose(probe)
         if devices is not None:
             self.start(Kind.EARLY, devices, event.need, key=event.key)
-
-    def _child_event(self, event: ev.Event) -> None:
-        child = self.children.get(getattr(event, "child", -1))
-        if child is None or child.state is State.GONE:
-            return  # a late message of a child given up
-        if isinstance(event, ev.Booted):
-            if child.state is State.STARTING:
-                child.move(State.READY, self.now)
-                entry = self.tests.get(child.test) if child.test else None
-                if entry is not None and entry.phase is Phase.STARTED:
-                    self.go(child, entry)  # started at its turn: it runs at once
-        elif isinstance(event, ev.StartFailed):
-            self._lost_before_test(child, event.error)
-            if child.state is not State.SETTLING:
-                child.move(State.SETTLING, self.now)
-            self.settled(child)
-        elif isinstance(event, ev.Refused):
-            self.refused[child.key] = event.why
-            self.dismiss(child)
-        elif isinstance(event, ev.Done):
-            self._done(child, event)
-        elif isinstance(event, ev.Exited):
-            self._exited(child, event.code)
-        elif isinstance(event, ev.Released) and child.state is State.SETTLING:
-            self.settled(child)
-
-    def _done(self, child: Child, event: ev.Done) -> None:
-        if child.state is not State.RUNNING or child.test != event.test:
-            return  # it was stopped or timed out meanwhile: that report stands
-        entry = self.tests[event.test]
-        self.end(entry, ev.Replay(event.test))
-        child.last, child.test = event.test, ""
-        child.tests_run += 1
-        if child.members and child.members[0] == event.test:
-            child.members.pop(0)
-        more = bool(child.scope) and bool(child.members)
-        if more and not event.poisoned and not self.stopping:
-            child.move(State.BETWEEN, self.now)
-            return
-        child.move(State.EXITING, self.now, self.now + self.settings.exit_grace)
-        if more:
-            self.emit(ev.Dismiss(child.id))  # it would wait for the scope's next test
-
-    def _exited(self, child: Child, code: int) -> None:
-        state = child.state
-        if state is State.RUNNING:
-            entry = self.tests[child.test]
-            detail = f"its child exited with status {code} before reporting"
-            self.end(entry, ev.Report(child.test, Outcome.CRASHED, detail))
-        elif state in (State.STARTING, State.READY):
-            self._lost_before_test(child, f"its child exited with status {code} before it booted")
-        elif state is State.EXITING and code != 0 and child.last:
-            self.warn(child.last, f"its child exited with status {code} after the test")
-        child.test = ""
-        if child.devices:
-            child.move(State.SETTLING, self.now, self.now + self.settings.settle)
-        else:
-            child.move(State.SETTLING, self.now)
-            self.settled(child)
-
-    def _lost_before_test(self, child: Child, why: str) -> None:
-        """A child died before it ran its test: the test gets that as its report."""
-        if child.kind is Kind.TEMPLATE:
-            self.refused.setdefault(child.key, why)
-        entry = self.tests.get(child.test) if child.test else None
-        if entry is None:
-            return
-        if entry.phase is Phase.KNOWN:
-            entry.failed_ahead = why  # booted ahead: reported at its turn
-        elif entry.phase is Phase.STARTED:
-            self.end(entry, ev.Report(entry.test.id, Outcome.START_FAILED, why))
-        child.test = ""
-
-    def _deadlines(self) -> None:
-        s = self.settings
-        for child in list(self.live_or_settling()):
-            if child.deadline is None or child.deadline > self.now:
-                continue
-            if child.state is State.RUNNING:
-                entry = self.tests[child.test]
-                self.emit(ev.Kill(child.id, "timeout"))
-                timeout = entry.test.timeout
-                self.end(entry, ev.Report(entry.test.id, Outcome.TIMEOUT, f"after {timeout}s"))
-                child.last, child.test = entry.test.id, ""
-                child.move(State.KILLED, self.now, self.now + s.kill_grace)
-            elif child.state is State.EXITING:
-                self.emit(ev.Kill(child.id, f"did not exit within {s.exit_grace:g}s"))
-                if child.last and child.kind is not Kind.TEMPLATE:
-                    why = f"its child did not exit within {s.exit_grace:g}s of the test: killed"
-                    self.warn(child.last, why + " (a thread or an atexit handler kept it)")
-                child.move(State.KILLED, self.now, self.now + s.kill_grace)
-            elif child.state is State.KILLED:
-                self.lost += 1
-                if child.last:
-                    self.warn(child.last, "its child could not be killed; its devices were freed")
-                child.move(State.GONE, self.now)
-                self.give_back(child)
-            elif child.state is State.SETTLING:
-                self.settled(child)
-        for tid in self.queue:
-            entry = self.tests[tid]
-            if not entry.warned and self.now - entry.submitted >= s.patience:
-                entry.warned = True
-                self.warn(tid, f"waited {s.patience:g}s to start: {live.explain(self, tid)}")
-
-    def _stop(self, reason: str) -> None:
-        if self.stopping:
-            return
-        self.stopping = reason
-        for tid in self.queue:
-            self.end(self.tests[tid], ev.Drop(tid))
-        self.queue = []
-        for child in self.live_children():
-            entry = self.tests.get(child.test) if child.test else None
-            if child.state is State.RUNNING and entry is not None:
-                self.emit(ev.Kill(child.id, "the session stopped"))
-                self.end(entry, ev.Report(child.test, Outcome.STOPPED, reason))
-                child.last, child.test = child.test, ""
-                child.move(State.KILLED, self.now, self.now + self.settings.kill_grace)
-            elif child.state in (State.STARTING, State.READY, State.BETWEEN):
-                if entry is not None and entry.phase is Phase.STARTED:
-                    self.end(entry, ev.Drop(child.test))
-                child.test = ""
-                self.dismiss(child)
-
-    def _dismiss_unneeded(self) -> None:
-        """Idle children whose next test cannot come any more are dismissed."""
-        for child in self.live_children():
-            if child.state not in (*IDLE, State.STARTING) or child.kind is Kind.FORK:
-                continue
-            child.members = [m for m in child.members if self._may_come(m, child)]
-            if child.kind is Kind.TEMPLATE:
-                wanted = not self.last or any(
-                    self.tests[t].test.template == child.key for t in self.queue
-                )
-            elif child.test:
-                entry = self.tests[child.test]
-                mine = entry.phase is Phase.STARTED and entry.child == child.id
-                wanted = (
-                    mine
-                    or entry.phase is Phase.WAITING
-                    or (entry.phase is Phase.KNOWN and not self.last)
-                )
-            elif child.state is State.BETWEEN:
-                wanted = bool(child.members) and (not self.last or child.members[0] in self.queue)
-            else:  # started early, not taken yet
-                wanted = not self.last
-            if not wanted:
-                child.test = ""
-                self.dismiss(child)
-
-    def _may_come(self, test: str, child: Child) -> bool:
-        entry = self.tests[test]
-        if entry.phase in (Phase.KNOWN, Phase.WAITING):
-            return True
-        return entry.phase is Phase.STARTED and entry.child == child.id
 
     # Decisions -----------------------------------------------------------------------
 
@@ -398,11 +233,3 @@ class Dispatcher(Run):
             kind = Kind.SCOPE if test.scope else Kind.SPAWN
             self.start(kind, devices, test.need, test, members=self.members(test))
             ahead += 1
-
-
-def replays(actions: Iterable[ev.Action]) -> list[str]:
-    """The tests whose own reports the actions replay (a helper for drivers and tests)."""
-    return [a.test for a in actions if isinstance(a, ev.Replay)]
-
-
-__all__ = ["Dispatcher", "replays", "_packing"]
