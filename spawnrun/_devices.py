@@ -253,6 +253,14 @@ class Allocator:
         except TimeoutError:
             return False
 
+    def tokens(self) -> set[str] | None:
+        """Every claim's token on the run's devices (None: the ledger is out of reach)."""
+        try:
+            with self._pool() as pool:
+                return {c.token for d in self.ids for c in pool.held(d)}
+        except TimeoutError:
+            return None
+
     def give_back(self, ids: list[str], token: str) -> None:
         # A ledger out of reach keeps the claim only while this process lives.
         with contextlib.suppress(TimeoutError), self._pool() as pool:

@@ -95,6 +95,9 @@ class Ending:
         self.term_sent = 0.0
         #: Why the child had to be killed after its test ended ("" if it exited).
         self.stuck = ""
+        #: Its exit status when it exited by itself with one, after the test's end.
+        self.bad_exit = 0
+        self.killed = False
         #: Errors the child met after "done" (its session end).
         self.after_notes: list[str] = []
         #: NVML no longer lists its processes on its devices: they may be handed on now.
@@ -152,6 +155,7 @@ class Ending:
     def abort(self) -> None:
         """The session stops: the child ends now (its exit is seen as any other)."""
         if self.child is not None:
+            self.killed = True
             self.child.kill()
             if self.stage is Stage.HANDOVER:
                 self._to(Stage.EXITING)
@@ -170,6 +174,9 @@ class Ending:
             for msg in child.messages():  # its last words may still be in the pipe
                 self.on_message(msg)
         if not child.gone:
+            code = child.exitcode
+            if code and not (self.stuck or self.killed) and self.stage is not Stage.REAPING:
+                self.bad_exit = code  # an atexit handler's os._exit(3), say
             child.reaped()
             self._to(Stage.REAPING)
 
@@ -258,6 +265,8 @@ class Ending:
     def warnings(self) -> list[str]:
         """What the test's report cannot say any more: a stuck exit, late errors, reaping."""
         texts = [self.stuck] if self.stuck else []
+        if self.bad_exit:
+            texts.append(_reports.BAD_EXIT.format(code=self.bad_exit))
         texts += [f"{_reports.CHILD_NOTES} (after the test):\n{n}" for n in self.after_notes]
         if self.reaped_count:
             texts.append(_reports.REAPED.format(n=self.reaped_count))

@@ -119,8 +119,9 @@ class Job:
         self.held_after: int | None = None
         #: Why its child was not handed to the scope's next test ("": it was, or none).
         self.replaced = ""
-        #: Its child ran the scope's test before it (it booted nothing).
+        #: Its child ran the scope's test before it (it booted nothing): that test.
         self.adopted = False
+        self.previous: pytest.Item | None = None
         self.plan = plan
         self.timeout = plan.timeout
         self.devices = devices
@@ -144,6 +145,8 @@ class Job:
         self.state = State.AHEAD
         #: Whether pytest has reached this test (its turn); set once, by ``turn``.
         self.turned = False
+        #: Whether its slot and devices are its own (``go``): only then may it run.
+        self.granted = False
         self.replayed = False
         self.parent_error: pytest.TestReport | None = None
         self.interrupted: proto.Interrupted | None = None
@@ -230,7 +233,9 @@ class Job:
         self.started = started
         self.pipe_ended = None
         self.pipe_problem = ""
-        self.state = State.BOOTING if self.turned else State.AHEAD
+        # A child started again before the test was given its slot and devices (a
+        # fallback while it waits for them) waits for them too: no go before ``go``.
+        self.state = State.BOOTING if self.turned and self.granted else State.AHEAD
         self._arm()
 
     def turn(self, parent_error: pytest.TestReport | None) -> None:
@@ -250,6 +255,7 @@ class Job:
 
     def go(self) -> None:
         """Devices and a slot are ours: run now if booted, else as soon as booted."""
+        self.granted = True
         if self.devices:
             self.replay.properties.append(("spawnrun_devices", ",".join(self.devices)))
             if visible := _inventory.visible(self.devices):  # e.g. the UUIDs they got
@@ -277,6 +283,7 @@ class Job:
             return False
         self.child = child
         self.adopted = True
+        self.previous = donor.item
         self.pids = set(ending.pids)
         self.template_pid = donor.template_pid
         self.devices, self.claimed, self.held = ending.devices, ending.claimed, held
@@ -332,6 +339,9 @@ class Job:
             return
         if isinstance(msg, proto.SuiteProperty):
             _replay.suite_property(self.item.config, msg.name, msg.value)
+            return
+        if isinstance(msg, proto.ForkEnded):  # the template's previous fork, after its test
+            self._fork_ended(msg)
             return
         if isinstance(msg, proto.ForkedTest):  # its template forked the process to run it
             self.forked_pid = msg.pid
@@ -390,9 +400,21 @@ class Job:
             self._learn(msg.peak_per_device)
             if self.interrupted is None:
                 replay.complete(msg.notes)
-            self._ended(handover=msg.more and self.interrupted is None)
+            self._ended(handover=msg.more and self.interrupted is None, done=True)
         else:  # the pipe ended before "done": the child died, or cannot be heard
             self._pipe_ended(msg.cause)
+
+    def _fork_ended(self, msg: proto.ForkEnded) -> None:
+        """Warn on the test whose fork ended badly after its "done" (not on this one)."""
+        if msg.killed:
+            text = _reports.STUCK_EXIT.format(s=proto.FORK_EXIT_LIMIT)
+        elif msg.code:
+            text = _reports.BAD_EXIT.format(code=msg.code)
+        else:
+            return
+        item = self.previous or self.item
+        warning = _reports.warning(text, str(item.path), (item.location[1] or 0) + 1)
+        _reports.record_warning(item.config, warning, item.nodeid)
 
     def _learn(self, torch_peak: int | None) -> None:
         """The peak that ``--spawn-pack auto`` budgets this test by next time.
@@ -470,7 +492,7 @@ class Job:
         self.state = state
         self._arm()
 
-    def _ended(self, handover: bool = False) -> None:
+    def _ended(self, handover: bool = False, done: bool = False) -> None:
         """The test is over and its reports complete; the process may still be exiting.
 
         ``handover``: the child waits for the scope's next test, unless this test's
@@ -498,8 +520,11 @@ class Job:
                 )
                 self.replay.note_failure(_reports.REPLACED_TITLE, text)
         if child.gone or child.exitcode is not None:
+            code = child.exitcode
             child.reaped()
             self._leave(_ending.Stage.REAPING)
+            if done and code and self.ending is not None:
+                self.ending.bad_exit = code  # gone already, with a status, after "done"
         elif handover and not self.replaced:
             self._leave(_ending.Stage.HANDOVER)
         else:

@@ -29,7 +29,7 @@ from dataclasses import field
 from dataclasses import replace
 from typing import Any
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 @dataclass(frozen=True)
@@ -249,9 +249,28 @@ class ForkedTest:
     pid: int
 
 
+#: After its "done", how long a template's fork may take to exit before the template
+#: kills it (a child of its own gets as long: ``_ending.EXIT_KILL``).
+FORK_EXIT_LIMIT = 20.0
+
+
+@dataclass(frozen=True)
+class ForkEnded:
+    """A template's fork that said "done" is gone (told before the template forks again).
+
+    ``code``: its exit status; ``killed``: it did not exit within ``FORK_EXIT_LIMIT``
+    (a non-daemon thread, an ``atexit`` handler) and the template killed it.
+    """
+
+    pid: int
+    code: int
+    killed: bool = False
+
+
 Message = (
     Booted
     | ForkedTest
+    | ForkEnded
     | Phase
     | Report
     | WarningRecord

@@ -20,6 +20,7 @@ NO_CALL = "spawnrun: the spawned child ended without a call report for this test
 NO_TEARDOWN = "spawnrun: the spawned child ended without a teardown report"
 DIED = "spawnrun: the child process running this test died"
 NOT_STARTED = "spawnrun: the child process for this test could not be started"
+STUCK = "spawnrun: nothing could start this test (a scheduling bug: please report it)"
 CHILD_NOTES = "spawnrun: child notes"
 PIPE_CLOSED = (
     "it closed its pipe to the parent before reporting the end of the test (did the test "
@@ -36,6 +37,7 @@ STUCK_EXIT = (
     "spawnrun: the child of this test did not exit within {s:g} s of the test's end and "
     "was killed (a non-daemon thread or process it left behind?)"
 )
+BAD_EXIT = "spawnrun: the child of this test exited with status {code} after the test's end"
 STACKS = "spawnrun: Python stacks of all threads of the child"
 #: At a timeout, one section for each process below the child.
 BELOW = "spawnrun: Python stacks of process {pid} (parent {ppid}): {command}"

@@ -35,6 +35,7 @@ timeout.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import statistics
 import time
@@ -66,6 +67,7 @@ from spawnrun._reports import REPLACED_TITLE
 STOPPED = (
     "spawnrun: stopped while running, because the session stopped (-x, --maxfail or an interrupt)"
 )
+LEAKED = "a scheduling bug: please report it"
 #: The next spawned tests, with what each needs.
 Upcoming = Sequence[tuple[pytest.Item, _packing.Plan]]
 #: How often a test waiting for devices held by another xdist worker looks again.
@@ -101,6 +103,8 @@ class Scheduler:
         self.long_settles: list[tuple[str, float]] = []
         self.boot_times: list[float] = []
         self.replans = 0
+        #: Claims found with no holder and given back (a bug, told in the summary).
+        self.leaks = 0
         #: For the run summary (jobs that finished): tests, children, ends, memory.
         self.isolated = 0
         self.children = 0
@@ -221,11 +225,19 @@ class Scheduler:
                 self._drop(job)  # as pytest: nothing new starts once the session stops
                 return
             self._pump()  # the queued tests came first
+            # A scope's child idle between tests must not hold devices this test waits
+            # for while pytest cannot reach that scope's next test (hold and wait).
+            self._dismiss_idle(keep=job.plan.scope)
             went = self._try_go(job)
             # Plan the next tests once this one holds its devices, and keep them
             # booting while it waits.
             self.prefetch(upcoming)
             if went:
+                return
+            if self._nothing_can_move():
+                if self._reclaim_leaks():
+                    continue
+                self._stuck(job)
                 return
             timeout = None
             if job.devices and self.free_since:
@@ -236,6 +248,52 @@ class Scheduler:
                 # Nothing of ours runs: the devices are held by another xdist worker.
                 timeout = min(_LEDGER_POLL, timeout or _LEDGER_POLL)
             self.loop_once(_sooner(timeout, self._redraw()))
+
+    def _nothing_can_move(self) -> bool:
+        """No process of ours, deadline or other worker's claim can free what a test waits for."""
+        holders: list[Job | Ending] = [*self.jobs, *self.endings]
+        if any(h.deadline is not None for h in holders):
+            return False  # a deadline moves it on (a reap, a settle, a timeout)
+        # A live child moves on by itself unless it is idle: booted ahead and waiting
+        # for its turn, or between a scope's tests.
+        idle = {State.WAITING, Stage.HANDOVER}
+        if any(h.child is not None and not h.child.gone and _stage(h) not in idle for h in holders):
+            return False
+        if self.graveyard or self.queued:
+            return False
+        tokens = self.allocator.tokens()
+        if tokens is None:
+            return False  # the ledger is out of reach: look again soon
+        mine = f"{os.getpid()}:"
+        return all(t.startswith(mine) for t in tokens)  # no other worker's claim
+
+    def _reclaim_leaks(self) -> bool:
+        """Give back claims of ours that no test or child holds (True: there were some).
+
+        Only asked when nothing of ours runs: such a claim can never be given back
+        otherwise, and every later test on its devices would wait for it.
+        """
+        holders: list[Job | Ending] = [*self.jobs, *self.endings]
+        held = {h.token for h in holders if h.held}
+        mine = f"{os.getpid()}:"
+        leaked = {t for t in self.allocator.tokens() or () if t.startswith(mine)} - held
+        for token in leaked:
+            self.allocator.give_back(list(self.allocator.ids), token)
+        self.leaks += len(leaked)
+        return bool(leaked)
+
+    def _stuck(self, job: Job) -> None:
+        """Nothing will ever let ``job`` start: it fails, saying so, and the run goes on."""
+        holders: list[Job | Ending] = [*self.jobs, *self.endings]
+        held = {d: type(h).__name__ for h in holders for d in h.held}
+        text = (
+            f"{_reports.STUCK}: it waited for {job.plan.count} device(s) and nothing that "
+            f"runs could free them (held: {held or 'nothing'})\nnode id: {job.item.nodeid}"
+        )
+        job.replay.fail("setup", text)
+        job.replay.ensure_teardown()
+        job.state, job.deadline = State.DONE, None
+        self._after_events()
 
     def _job(self, item: pytest.Item, plan: _packing.Plan, devices: list[str]) -> Job:
         if plan.scope in self.refusals:
@@ -491,6 +549,9 @@ class Scheduler:
                 self._give_back(ending)  # NVML lists none of its processes any more
             if ending.stage is Stage.GONE:
                 self._gone(ending, owner)
+        # A test that stops the session comes last: those that ended in the same turn
+        # are reported, as in-process they would have been before it.
+        due.sort(key=lambda j: j.interrupted is not None)
         for job in due:
             self._replay(job)
         if self.queued:
@@ -505,6 +566,7 @@ class Scheduler:
         if job.ending is not None:
             self.endings[job.ending] = job
         else:
+            self._give_back(job)  # it never had a child (it could not start): no holder
             self._count(job)
 
     def _gone(self, ending: Ending, job: Job) -> None:
@@ -531,12 +593,28 @@ class Scheduler:
             # else runs or reports: every other child (running, booted ahead) ends now.
             job.replay.emit(None, interrupted=True)
             for other in list(self.jobs):
-                if other is not job:
-                    other.replayed = True
-                    other.abort(STOPPED, report=False)
+                if other is job:
+                    continue
+                self._hear_last_words(other)
+                if other.turned and other.reported and not other.replayed:
+                    other.replayed = True  # its "done" had come: it ended before the stop
+                    other.replay.emit(other.parent_error)
+                    continue
+                other.replayed = True
+                other.abort(STOPPED, report=False)
             self.ahead = {}
             _replay.raise_interrupt(job.interrupted)
         job.replay.emit(job.parent_error)
+
+    def _hear_last_words(self, job: Job) -> None:
+        """What the job's child has sent already (never waits): its "done" may be there."""
+        child = job.child
+        if child is None or child.gone or job.state not in LISTENING:
+            return
+        for msg in child.messages():
+            if job.child is not child:
+                break
+            job.on_message(msg)
 
     # Ends ----------------------------------------------------------------------------
 
@@ -711,6 +789,8 @@ class Scheduler:
         if self.reaped:
             were = "was" if self.reaped == 1 else "were"
             ends.append(f"{_plural(self.reaped, 'process', 'processes')} left behind {were} reaped")
+        if self.leaks:
+            ends.append(f"{_plural(self.leaks, 'device claim')} with no holder freed ({LEAKED})")
         if ends:
             lines.append(", ".join(ends))
         for scope, why in sorted(self.refusals.items()):
@@ -739,6 +819,10 @@ def _template_files(nodeids: list[str]) -> str:
 
 def _plural(n: int, one: str, many: str = "") -> str:
     return f"{n} {one if n == 1 else many or one + 's'}"
+
+
+def _stage(holder: Job | Ending) -> State | Stage:
+    return holder.state if isinstance(holder, Job) else holder.stage
 
 
 def _sooner(a: float | None, b: float | None) -> float | None:

@@ -16,8 +16,10 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import select
 import signal
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -59,24 +61,91 @@ def _fork_test(relay: Any, item: Any, more: bool, serial: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     template = os.getpid()
+    said_done, told = os.pipe()  # the fork writes a byte once it has said "done"
     pid = os.fork()
     if pid == 0:
-        _forked(relay, item, more, serial, template)
+        os.close(said_done)
+        _forked(relay, item, more, serial, template, told)
+    os.close(told)
     # A timeout's stack dump is asked of this process: the test's is the fork's.
     # (faulthandler reinstalls its handler only when it was unregistered first.)
     faulthandler.unregister(_child.DUMP_SIGNAL)
     signal.signal(_child.DUMP_SIGNAL, lambda *_: _signal_quietly(pid, _child.DUMP_SIGNAL))
-    _, status = os.waitpid(pid, 0)  # retried after the handler (PEP 475)
+    try:
+        status, done, killed = _wait_for(pid, said_done)
+    finally:
+        os.close(said_done)
     signal.signal(_child.DUMP_SIGNAL, signal.SIG_DFL)
     faulthandler.register(_child.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
+    code = os.waitstatus_to_exitcode(status)
+    if done and more:
+        # Its test is over and reported: how its process ended is a warning on that
+        # test, told before the next fork; the template goes on (the next test is not
+        # to blame).
+        relay.send(proto.ForkEnded(pid, code, killed))
+        return
     if os.WIFSIGNALED(status):
         _die_by(os.WTERMSIG(status))
-    code = os.waitstatus_to_exitcode(status)
     if code:
         os._exit(code)
 
 
-def _forked(relay: Any, item: Any, more: bool, serial: int, template: int) -> NoReturn:
+def _wait_for(pid: int, said_done: int) -> tuple[int, bool, bool]:
+    """The fork's wait status, whether it said "done", and whether it had to be killed.
+
+    Until "done" the test runs, for as long as it takes (the parent's timeout applies);
+    after it, the fork gets ``FORK_EXIT_LIMIT`` to exit, as a child of its own does.
+    Waits on the fork's pidfd (no polling) where the kernel has them.
+    """
+    pidfd = _pidfd(pid)
+    done_at: float | None = None
+    killed = heard_all = False
+    try:
+        while True:
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                if done_at is None and not heard_all:
+                    heard_all = _said(said_done) is not True
+                    done_at = None if heard_all else time.monotonic()
+                return status, done_at is not None, killed
+            if done_at is None and not heard_all:
+                said = _said(said_done)
+                if said:
+                    done_at = time.monotonic()
+                heard_all = said is None  # its end of the pipe is closed: no word to come
+            watch = [] if pidfd is None else [pidfd]
+            timeout: float | None = None if pidfd is not None else 0.005
+            if done_at is None and not heard_all:
+                watch.append(said_done)
+            elif done_at is not None and not killed:
+                left = done_at + proto.FORK_EXIT_LIMIT - time.monotonic()
+                if left <= 0:
+                    _signal_quietly(pid, signal.SIGKILL)
+                    killed = True
+                elif pidfd is not None:
+                    timeout = left
+            select.select(watch, [], [], timeout)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None  # an older kernel: poll
+
+
+def _said(said_done: int) -> bool | None:
+    """Whether the fork said "done" (None: its end of the pipe closed without a word)."""
+    readable, _, _ = select.select([said_done], [], [], 0)
+    if not readable:
+        return False
+    return True if os.read(said_done, 1) == b"1" else None
+
+
+def _forked(relay: Any, item: Any, more: bool, serial: int, template: int, told: int) -> NoReturn:
     try:
         _probe.die_with_parent(template)
         # Its stacks are the test's: where the template's would go (it forwards the
@@ -91,6 +160,8 @@ def _forked(relay: Any, item: Any, more: bool, serial: int, template: int) -> No
             _child.leave(0)  # told (Interrupted, Done): the parent ends the session
         if more:
             relay._done_for_now()
+            with contextlib.suppress(OSError):
+                os.write(told, b"1")
         else:
             relay.finish()
     except BaseException:  # noqa: BLE001 - the template ends with it: a crash report
