@@ -98,6 +98,9 @@ class Ending:
         #: Its exit status when it exited by itself with one, after the test's end.
         self.bad_exit = 0
         self.killed = False
+        #: Its test ended by its "done" (not a crash or a timeout's kill): an exit status
+        #: after it is the child's own.
+        self.after_done = False
         #: Errors the child met after "done" (its session end).
         self.after_notes: list[str] = []
         #: NVML no longer lists its processes on its devices: they may be handed on now.
@@ -175,7 +178,8 @@ class Ending:
                 self.on_message(msg)
         if not child.gone:
             code = child.exitcode
-            if code and not (self.stuck or self.killed) and self.stage is not Stage.REAPING:
+            mine = not (self.stuck or self.killed)
+            if code and self.after_done and mine and self.stage is not Stage.REAPING:
                 self.bad_exit = code  # an atexit handler's os._exit(3), say
             child.reaped()
             self._to(Stage.REAPING)

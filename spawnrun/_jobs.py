@@ -531,6 +531,8 @@ class Job:
             if handover:
                 child.stop()
             self._leave(_ending.Stage.EXITING)
+        if self.ending is not None:
+            self.ending.after_done = done
 
     def _leave(self, stage: _ending.Stage) -> None:
         """The test is over: its child, with the devices it holds, is the ending's now."""
