@@ -272,7 +272,8 @@ class Ledger(Allocator):
 
     A JSON file ``{device id: [[owner pid, need, token], ...]}`` in the run's private
     directory (``private_dir``), read and written under an exclusive ``flock`` that is
-    waited for a bounded time. A claim whose owner is no longer alive is dropped, so a
+    waited for a bounded time; written only when a claim changed, always whole (a
+    renamed new file). A claim whose owner is no longer alive is dropped, so a
     worker that dies cannot keep its devices. Files are opened without following
     symbolic links.
     """
@@ -289,6 +290,9 @@ class Ledger(Allocator):
         check_private(directory)
         self.path = directory / "ledger.json"
         self.lock_path = directory / "ledger.lock"
+        #: The last state read or written whole (what a file that cannot be parsed is
+        #: taken for).
+        self._good: dict[str, list[list[Any]]] = {}
 
     @contextlib.contextmanager
     def _pool(self) -> Iterator[_packing.Pool]:
@@ -297,7 +301,8 @@ class Ledger(Allocator):
             _lock(fd, LOCK_WAIT)
             try:
                 pool = _packing.Pool(self.ids, self.capacity, self.per_gpu)
-                for device, claims in self._read().items():
+                read = self._read()
+                for device, claims in read.items():
                     for pid, need, token in claims:
                         if _alive(int(pid)):
                             pool.held(str(device)).append(_packing.Claim(str(token), need))
@@ -307,28 +312,42 @@ class Ledger(Allocator):
                     for d, claims in pool.claims.items()
                     if claims
                 }
-                self._write(json.dumps(data))
+                if data != read:  # a look that changed nothing writes nothing
+                    self._write(json.dumps(data))
+                    self._good = data
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
 
     def _read(self) -> dict[str, list[list[Any]]]:
+        """The claims on file; where it cannot be parsed, the last good state this
+        worker saw (never "no claims": that would hand every device out again).
+
+        A planted link is refused (``OSError``), never followed.
+        """
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+        except FileNotFoundError:
             return {}
         with os.fdopen(fd) as f:
             try:
                 data = json.load(f)
             except ValueError:
-                return {}
-        return data if isinstance(data, dict) else {}
+                return dict(self._good)
+        if not isinstance(data, dict):
+            return dict(self._good)
+        self._good = data
+        return data
 
     def _write(self, text: str) -> None:
+        """Whole or not at all: a new file renamed over the old, so a worker killed while
+        writing leaves the last state, not an empty or cut file."""
+        temporary = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
-        with os.fdopen(os.open(self.path, flags, 0o600), "w") as f:
+        with os.fdopen(os.open(temporary, flags, 0o600), "w") as f:
             f.write(text)
+        os.replace(temporary, self.path)
 
 
 #: How long a worker waits for the ledger's lock (held for microseconds at a time).

@@ -130,7 +130,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if _xdist_worker():
         ledger = getattr(config, "workerinput", {}).get(LEDGER_INPUT)
     elif _xdist_controller(config):
-        config.stash[LEDGER_KEY] = str(_devices.private_dir())
+        ledger_dir = str(_devices.private_dir())
+        config.stash[LEDGER_KEY] = ledger_dir
+        # Also when a later plugin's configure fails and no session ever finishes.
+        config.add_cleanup(lambda: shutil.rmtree(ledger_dir, ignore_errors=True))
     config.stash[SETTINGS_KEY] = settings
     config.stash[INVENTORY_KEY] = inventory
     config.stash[CAPACITY_KEY] = capacity

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -193,3 +194,50 @@ def test_nvidia_smi_is_the_last_resort(tmp_path, monkeypatch):
     assert inv.source.startswith("from nvidia-smi -L")
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     assert _inventory.inventory("auto", {}).ids == ()
+
+
+def test_a_cut_ledger_file_keeps_the_last_claims_it_had(tmp_path):
+    # A worker killed while writing (or a file cut short) must not read as "no claims":
+    # every worker would then hand out every device again.
+    directory = tmp_path / "ledger"
+    directory.mkdir(mode=0o700)
+    ledger = _devices.Ledger(("0",), directory)
+    assert ledger.take(1, ALONE, _devices.token_for(1)) == ["0"]
+    (directory / "ledger.json").write_text('{"0": [[')
+    assert ledger.take(1, ALONE, _devices.token_for(2)) is None
+    assert ledger.free() == []
+
+
+def test_the_ledger_is_written_whole_and_only_when_a_claim_changes(tmp_path):
+    directory = tmp_path / "ledger"
+    directory.mkdir(mode=0o700)
+    ledger = _devices.Ledger(("0", "1"), directory)
+    path = directory / "ledger.json"
+    ledger.take(1, ALONE, _devices.token_for(1))
+    before = os.stat(path)
+    assert ledger.free() == ["1"]  # a look: nothing written
+    after = os.stat(path)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    ledger.take(1, ALONE, _devices.token_for(2))
+    assert os.stat(path).st_ino != before.st_ino  # a new file renamed over the old
+    assert sorted(p.name for p in directory.iterdir()) == ["ledger.json", "ledger.lock"]
+
+
+def test_the_ledger_directory_goes_when_a_later_configure_fails(pytester, monkeypatch):
+    """Another plugin's usage error after spawnrun's configure: nothing is left behind."""
+    temp = pytester.path / "tmp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
+    pytester.makeconftest(
+        """
+        import pytest
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_configure(config):
+            raise pytest.UsageError("another plugin refuses")
+        """
+    )
+    pytester.makepyfile("def test_x(): pass")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", timeout=60)
+    result.stderr.fnmatch_lines(["*another plugin refuses*"])
+    assert [p.name for p in temp.iterdir() if p.name.startswith("spawnrun-devices-")] == []
