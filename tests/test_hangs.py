@@ -265,4 +265,3 @@ def test_a_claim_without_holder_is_freed_once_nothing_runs():
     assert allocator.free() == ["0", "1"]
     assert scheduler.leaks == 1
     assert not scheduler._reclaim_leaks()
-
