@@ -747,9 +747,11 @@ def test_a_deleted_working_directory_in_the_parent(pytester, method):
     result.assert_outcomes(passed=3)
 
 
-def test_a_child_that_cannot_be_started_fails_its_test(pytester):
+@pytest.mark.parametrize("gpus", ["0,1", "0,"], ids=["two-gpus", "one-gpu"])
+def test_a_child_that_cannot_be_started_fails_its_test(pytester, gpus):
     # Whatever stops a child from starting (no process or descriptor left) is its
-    # test's failure, with the cause; the run goes on.
+    # test's failure, with the cause; the run goes on. Its device claim goes with it:
+    # on one GPU, the next tests would wait for it forever.
     pytester.makeconftest(
         """
         import os
@@ -780,11 +782,17 @@ def test_a_child_that_cannot_be_started_fails_its_test(pytester):
 
         def test_starts():
             pass
+
+        def test_starts_too():
+            pass
         """
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-lookahead", "2")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-lookahead", "2", "--spawn-gpus", gpus, timeout=90
+    )
     result.stdout.no_fnmatch_line(NO_INTERNAL)
-    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.no_fnmatch_line("*with no holder freed*")
+    result.assert_outcomes(passed=2, errors=1)
     result.stdout.fnmatch_lines(
         [f"{_reports.NOT_STARTED}: BlockingIOError: *Resource temporarily unavailable*"]
     )
