@@ -25,6 +25,7 @@ class StandIn:
         self.gone = False
         self.conn = object()
         self.sentinel = 7
+        self.exitcode: int | None = 0
         self.asked: list[str] = []
         self.words: list[Any] = []
 
@@ -101,6 +102,21 @@ def test_an_exit_is_reaped_then_settled_and_its_last_words_kept(group, monkeypat
     assert e.stage is Stage.GONE and e.deadline is None
     assert _reports.REAPED.format(n=1) in e.warnings()
     assert any("teardown of the session failed" in w for w in e.warnings())
+
+
+@pytest.mark.parametrize("after_done, aborted", [(True, False), (False, False), (True, True)])
+def test_an_exit_status_of_its_own_after_done_is_a_warning(group, after_done, aborted):
+    """An atexit handler's os._exit(3) after "done" is told; a timeout's or a stop's kill
+    (not after "done", or by spawnrun) is not the child's own."""
+    child = StandIn()
+    e = ending(child, Stage.EXITING)
+    e.after_done = after_done
+    if aborted:
+        e.abort()
+    child.exitcode = 3
+    e.on_exit()
+    told = _reports.BAD_EXIT.format(code=3) in e.warnings()
+    assert told is (after_done and not aborted)
 
 
 def test_a_child_that_does_not_exit_is_killed_and_said_stuck(group):
