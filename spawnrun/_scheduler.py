@@ -589,8 +589,10 @@ class Scheduler:
     def _replay(self, job: Job) -> None:
         """Replay what the child reported; re-raise its pytest.exit / KeyboardInterrupt."""
         if job.interrupted is not None:
-            # As in-process: the reports so far, then the session stops, and nothing
-            # else runs or reports: every other child (running, booted ahead) ends now.
+            # As in-process: the tests pytest ran before this one end first, with their
+            # reports; then this one's reports so far, and the session stops: nothing
+            # else runs or reports, every other child (running, booted ahead) ends now.
+            self._finish_earlier(job)
             job.replay.emit(None, interrupted=True)
             for other in list(self.jobs):
                 if other is job:
@@ -605,6 +607,29 @@ class Scheduler:
             self.ahead = {}
             _replay.raise_interrupt(job.interrupted)
         job.replay.emit(job.parent_error)
+
+    def _finish_earlier(self, job: Job) -> None:
+        """Let the tests before ``job`` in pytest's order that still run end and report.
+
+        In-process they would have ended before ``job`` started, so their outcome does
+        not depend on which child's last message the parent happened to read first.
+        """
+        order = {item.nodeid: i for i, item in enumerate(job.item.session.items)}
+        mine = order.get(job.item.nodeid, len(order))
+
+        def earlier() -> list[Job]:
+            return [
+                o
+                for o in self.jobs
+                if o is not job
+                and o.turned
+                and not o.replayed
+                and o.state in LISTENING
+                and order.get(o.item.nodeid, len(order)) < mine
+            ]
+
+        while earlier():
+            self.loop_once(self._redraw() or 0.1)
 
     def _hear_last_words(self, job: Job) -> None:
         """What the job's child has sent already (never waits): its "done" may be there."""

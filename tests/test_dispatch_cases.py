@@ -140,26 +140,31 @@ def test_a_child_that_cannot_be_killed_is_given_up_with_a_warning() -> None:
     assert any("could not be killed" in text for text in texts)
 
 
-def test_a_test_that_passes_in_the_turn_of_an_interrupt_is_still_reported() -> None:
-    """One child calls pytest.exit while another's "done" arrives in the same loop turn."""
+@pytest.mark.parametrize("passes_after", [0.0, 0.5], ids=["same-turn", "after-the-stop"])
+def test_a_test_before_an_interrupt_runs_to_its_end_and_is_reported(passes_after: float) -> None:
+    """One child calls pytest.exit while a test pytest reached before it still runs."""
     specs = [
+        Spec(ev.Test("passes", count=1), duration=1.0 + passes_after, boot=0.5),
         Spec(ev.Test("exits", count=1), duration=1.0, boot=0.5, fate="interrupt"),
-        Spec(ev.Test("passes", count=1), duration=1.0, boot=0.5),
+        Spec(ev.Test("never", count=1), duration=1.0, boot=0.5),
     ]
-    devices = ("0", "1")
-    config = _settings(devices=devices, capacity=tuple((d, H200) for d in devices), jobs=2)
+    devices = ("0", "1", "2")
+    config = _settings(devices=devices, capacity=tuple((d, H200) for d in devices), jobs=3)
     result = World(config, specs).run()
-    assert result.ends == {"exits": ["replay"], "passes": ["replay"]}
+    # As in-process: "passes" ran before "exits"; "never" would not have run at all.
+    assert result.ends == {"passes": ["replay"], "exits": ["replay"], "never": ["drop"]}
+    ends = [a for a in result.actions if isinstance(a, (ev.Replay, ev.Interrupt))]
+    assert ends[-1] == ev.Interrupt("exits")  # once the earlier test is reported
 
 
-def test_the_first_dispatcher_answer_to_an_interrupt_comes_last() -> None:
+def test_the_interrupt_comes_after_the_replays_of_its_batch() -> None:
     d = Dispatcher(_settings(devices=("0", "1"), capacity=(), jobs=2))
     for test in ("a", "b"):
         d.handle(ev.Submit(0, ev.Test(test)))
         d.step()
     assert d.handle(ev.Booted(1, 1), ev.Booted(1, 2)) == [ev.Go(1, "a"), ev.Go(2, "b")]
-    actions = d.handle(ev.Done(2, 1, "a", interrupt=True), ev.Done(2, 2, "b"))
-    assert actions == [ev.Replay("a"), ev.Replay("b"), ev.Interrupt("a")]
+    actions = d.handle(ev.Done(2, 2, "b", interrupt=True), ev.Done(2, 1, "a"))
+    assert actions == [ev.Replay("b"), ev.Replay("a"), ev.Interrupt("b")]
 
 
 def test_waiting_for_another_workers_device_is_bounded_by_polls() -> None:

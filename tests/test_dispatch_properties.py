@@ -121,6 +121,10 @@ def test_every_test_ends_once_and_nothing_is_stuck(world: World) -> None:
         assert len(result.ends.get(test, [])) == 1, (test, result.ends.get(test))
     assert set(result.ends) <= set(submitted)
     assert result.stuck == []
+    after = result.dispatcher.stopped_after
+    if after:  # as in-process, what pytest reached before the stopping test ran and reported
+        earlier = submitted[: submitted.index(after)]
+        assert [t for t in earlier if result.ends[t] == ["drop"]] == []
     if not result.stopped:
         assert len(submitted) == len(world.specs)
         assert "drop" not in {how for hows in result.ends.values() for how in hows}

@@ -200,44 +200,48 @@ AT_ONCE = """
 import os, time
 import pytest
 
-def until_the_instant():
-    time.sleep(max(0.0, float(os.environ["THE_INSTANT"]) - time.time()))
+def until(name):
+    time.sleep(max(0.0, float(os.environ[name]) - time.time()))
 
 @pytest.mark.gpu(count=0)
 def test_passes():
-    until_the_instant()
+    until("PASS_AT")
 
 @pytest.mark.gpu(count=0)
 def test_stops():
-    until_the_instant()
+    until("STOP_AT")
     pytest.exit("stop")
 """
 
-#: Inner runs per test: the race is lost only now and then (about 1 in 6 on 2 cores).
-TRIES = 4
-
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_a_test_ending_with_another_tests_exit_keeps_its_report(pytester, monkeypatch, method):
-    """In-process, ``test_passes`` runs first and passes; then the session stops."""
+@pytest.mark.parametrize("passes_after", [0.0, 0.5], ids=["same-instant", "after-the-stop"])
+def test_a_test_before_another_tests_exit_keeps_its_report(
+    pytester, monkeypatch, method, passes_after
+):
+    """In-process, ``test_passes`` runs first and passes; then the session stops.
+
+    Both run at once (two jobs). Whether its child ends in the same instant as the
+    other's ``pytest.exit()`` or later, it runs to its end and is reported.
+    """
     pytester.makepyfile(test_at_once=AT_ONCE)
-    for _ in range(TRIES):
-        # Both tests run at once (two jobs) and end at the same wall-clock instant.
-        monkeypatch.setenv("THE_INSTANT", str(time.time() + 3.0))
-        result = pytester.runpytest_subprocess(
-            "-p", "no:cacheprovider", "--spawn-jobs", "2", "--spawn-method", method,
-            timeout=HANG,
-        )  # fmt: skip
-        result.stdout.fnmatch_lines(["*Exit: stop*"])
-        result.assert_outcomes(passed=1)
-        assert result.ret == pytest.ExitCode.INTERRUPTED
-        no_internal_error(result)
+    instant = time.time() + 3.0
+    monkeypatch.setenv("STOP_AT", str(instant))
+    monkeypatch.setenv("PASS_AT", str(instant + passes_after))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-jobs", "2", "--spawn-method", method, timeout=HANG
+    )
+    result.stdout.fnmatch_lines(["*Exit: stop*"])
+    result.assert_outcomes(passed=1)
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    no_internal_error(result)
 
 
 def test_plain_pytest_gives_the_outcomes_asserted_above(pytester, monkeypatch):
     """The reference: the same files in-process (``--no-spawn``)."""
     pytester.makepyfile(test_at_once=AT_ONCE)
-    monkeypatch.setenv("THE_INSTANT", str(time.time()))
+    monkeypatch.setenv("STOP_AT", str(time.time()))
+    monkeypatch.setenv("PASS_AT", str(time.time() + 0.5))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--no-spawn", timeout=HANG)
     result.stdout.fnmatch_lines(["*Exit: stop*"])
     result.assert_outcomes(passed=1)

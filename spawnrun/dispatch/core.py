@@ -48,14 +48,15 @@ class Dispatcher(Ends):
         Only what the events end or kill: the driver replays those reports (which may
         stop the session: ``Stop``) before it asks ``step`` what to start next.
         """
-        self.out, interrupts = [], []
+        self.out = []
         for event in events:
             self.now = max(self.now, event.now)
-            if isinstance(event, ev.Done) and event.interrupt:
-                interrupts.append(ev.Interrupt(event.test))
             self._on(event)
+        if self.interrupting and not self.interrupt_told and not self.earlier_running():
+            self.interrupt_told = True
+            self.emit(ev.Interrupt(self.interrupting))
         out, self.out = self.out, []
-        return out + interrupts
+        return out
 
     def step(self) -> list[ev.Action]:
         """The decisions: what starts, runs, is dismissed, or is reported stuck now."""
@@ -82,7 +83,7 @@ class Dispatcher(Ends):
         elif isinstance(event, ev.Peers):
             self.set_peers(event.claims)
         elif isinstance(event, ev.Stop):
-            self._stop(event.reason)
+            self._stop(event.reason, event.after)
         elif isinstance(event, ev.Last):
             self.last = True
         elif isinstance(event, ev.Tick):
@@ -132,9 +133,9 @@ class Dispatcher(Ends):
 
     def _scan(self) -> str | None:
         """Start what may start now, in order; the id of the head if it is blocked."""
-        if self.stopping:
+        if self.stopping and not self.stopped_after:
             return None
-        for tid in list(self.queue):
+        for tid in list(self.queue):  # after a stop: the tests reached before its test
             placed = self._place(self.tests[tid])
             if placed in ("started", "ended"):
                 if tid in self.queue:

@@ -5,7 +5,9 @@ its boot: the child could not start, and a test booted ahead gets that at its tu
 timeout kills the child; a child that does not exit in ``exit_grace`` is killed, and one
 that outlives its kill by ``kill_grace`` is given up, with a warning on its last test, as
 is a non-zero exit after "done". A stop drops what waits, stops what runs and dismisses
-idle children, so that their teardown runs.
+idle children, so that their teardown runs. A test that stops the session (``pytest.exit``)
+lets the tests pytest reached before it end and report, as in-process; ``Interrupt``
+follows them.
 """
 
 from __future__ import annotations
@@ -52,12 +54,17 @@ class Ends(Run):
             return  # it was stopped or timed out meanwhile: that report stands
         entry = self.tests[event.test]
         self.end(entry, ev.Replay(event.test))
+        if event.interrupt:
+            self._interrupted(event.test)
         child.last, child.test = event.test, ""
         child.tests_run += 1
         if child.members and child.members[0] == event.test:
             child.members.pop(0)
         more = bool(child.scope) and bool(child.members)
-        if more and not event.poisoned and not self.stopping:
+        goes_on = not self.stopping or bool(
+            self.interrupting and set(child.members[:1]) & set(self.queue)
+        )
+        if more and not event.poisoned and goes_on:
             child.move(State.BETWEEN, self.now)
             return
         child.move(State.EXITING, self.now, self.now + self.settings.exit_grace)
@@ -126,24 +133,56 @@ class Ends(Run):
                 entry.warned = True
                 self.warn(tid, f"waited {s.patience:g}s to start: {live.explain(self, tid)}")
 
-    def _stop(self, reason: str) -> None:
+    def _interrupted(self, test: str) -> None:
+        """``test`` stopped the session (``pytest.exit``, KeyboardInterrupt): as a stop
+        after it, whose running tests get no report; ``Interrupt`` comes once the tests
+        reached before it have ended."""
+        if not self.stopping:
+            self.interrupting = test
+            self._stop(f"{test} stopped the session", after=test, report=False)
+
+    def earlier_running(self) -> bool:
+        """Whether a test pytest reached before the one that stopped the session runs."""
+        if not self.stopped_after:
+            return False
+        at = self.submitted.index(self.stopped_after)
+        earlier = set(self.submitted[:at])
+        waiting = (Phase.STARTED, Phase.WAITING)
+        return any(e.phase in waiting for t, e in self.tests.items() if t in earlier)
+
+    def _stop(self, reason: str, after: str = "", report: bool = True) -> None:
+        """Nothing new starts. As in-process, the tests pytest reached before ``after``
+        (the test whose report stopped the session) run to their end and report; every
+        other waiting test is dropped, running ones are killed (reported as stopped, or
+        with no report after an interrupt), idle children dismissed so their teardown
+        runs. ``after`` "": nothing goes on (an interrupt of the parent)."""
         if self.stopping:
             return
         self.stopping = reason
-        for tid in self.queue:
+        self.stopped_after = after if after in self.submitted else ""
+        at = self.submitted.index(self.stopped_after) + 1 if self.stopped_after else 0
+        later = set(self.submitted[at:])
+        for tid in [t for t in self.queue if t in later]:
+            self.queue.remove(tid)
             self.end(self.tests[tid], ev.Drop(tid))
-        self.queue = []
         for child in self.live_children():
             entry = self.tests.get(child.test) if child.test else None
+            if entry is not None and entry.phase is Phase.ENDED:
+                continue  # the test that stopped the session
+            if entry is not None and entry.test.id not in later and entry.phase is Phase.STARTED:
+                continue  # reached before it: it runs to its end
             if child.state is State.RUNNING and entry is not None:
                 self.emit(ev.Kill(child.id, "the session stopped"))
-                self.end(entry, ev.Report(child.test, Outcome.STOPPED, reason))
+                outcome = ev.Report(child.test, Outcome.STOPPED, reason)
+                self.end(entry, outcome if report else ev.Drop(child.test))
                 child.last, child.test = child.test, ""
                 child.move(State.KILLED, self.now, self.now + self.settings.kill_grace)
-            elif child.state in (State.STARTING, State.READY, State.BETWEEN):
+            elif child.state in (State.STARTING, State.READY):
                 if entry is not None and entry.phase is Phase.STARTED:
                     self.end(entry, ev.Drop(child.test))
                 child.test = ""
+                self.dismiss(child)
+            elif child.state is State.BETWEEN and not set(child.members[:1]) & set(self.queue):
                 self.dismiss(child)
 
     def _dismiss_unneeded(self) -> None:

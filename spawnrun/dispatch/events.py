@@ -160,9 +160,14 @@ class Tick(Event):
 
 @dataclass(frozen=True)
 class Stop(Event):
-    """The session stops (-x, --maxfail, an interrupt): nothing new starts."""
+    """The session stops (-x, --maxfail, an interrupt): nothing new starts.
+
+    ``after``: the test whose report stopped it; the tests pytest reached before it run
+    to their end, as in-process ("": none, an interrupt of the parent).
+    """
 
     reason: str
+    after: str = ""
 
 
 @dataclass(frozen=True)

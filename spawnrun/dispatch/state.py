@@ -62,6 +62,11 @@ class Run:
         #: Templates that may not fork (key -> why).
         self.refused: dict[str, str] = {}
         self.stopping = ""
+        #: The test whose report stopped the session (those before it go on), the one
+        #: that interrupted it, and whether the driver was told.
+        self.stopped_after = ""
+        self.interrupting = ""
+        self.interrupt_told = False
         self.last = False
         self.collecting = True
         self.now = 0.0

@@ -124,7 +124,7 @@ class World:
         self.stuck: list[str] = []
         self.failures = 0
         self.stopped = False
-        self.stop_due = ""
+        self.stop_due: tuple[str, str] | None = None
         self.steps = 0
         self.log: list[ev.Action] = []
         capacity = dict(settings.capacity)
@@ -233,8 +233,9 @@ class World:
         """Perform what the events caused, tell a stop, then perform the decisions."""
         self._perform(actions)
         if self.stop_due:
-            self._perform(self.d.handle(ev.Stop(self.now, self.stop_due)))
-            self.stop_due = ""
+            why, after = self.stop_due
+            self._perform(self.d.handle(ev.Stop(self.now, why, after)))
+            self.stop_due = None
         self._perform(self.d.step())
 
     def _perform(self, actions: list[ev.Action]) -> None:
@@ -336,14 +337,14 @@ class World:
             if proc.running == a.test:
                 proc.running = ""
         if self.specs[a.test].fate in FAILING:
-            self._failed()
+            self._failed(a.test)
 
     def _report(self, a: ev.Report) -> None:
         self._ended(a.test, "report:" + a.outcome.name)
         if a.outcome is Outcome.STUCK:
             self.stuck.append(a.test)
         if a.outcome is not Outcome.STOPPED:
-            self._failed()
+            self._failed(a.test)
 
     def _drop(self, a: ev.Drop) -> None:
         self._ended(a.test, "drop")
@@ -352,20 +353,20 @@ class World:
         self.warnings.append((a.test, a.text))
 
     def _interrupt(self, a: ev.Interrupt) -> None:
-        self._stop("interrupted")
+        self._stop("interrupted", after=a.test)
 
     def _ended(self, test: str, how: str) -> None:
         self.ends.setdefault(test, []).append(how)
 
-    def _failed(self) -> None:
+    def _failed(self, test: str) -> None:
         self.failures += 1
         if self.maxfail and self.failures >= self.maxfail:
-            self._stop("-x")
+            self._stop("-x", after=test)
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, why: str, after: str = "") -> None:
         if not self.stopped:
             self.stopped = True
-            self.stop_due = why
+            self.stop_due = (why, after)
 
     # Safety --------------------------------------------------------------------------
 
