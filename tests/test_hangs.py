@@ -269,3 +269,43 @@ def test_a_claim_without_holder_is_freed_once_nothing_runs():
     assert allocator.free() == ["0", "1"]
     assert scheduler.leaks == 1
     assert not scheduler._reclaim_leaks()
+
+
+def test_a_test_nothing_can_start_fails_saying_why_instead_of_waiting(pytester):
+    """The last resort end to end: devices that never come (a stand-in bug) fail the
+    test with the reason, and the run goes on."""
+    pytester.makeconftest(
+        """
+        import os
+        import spawnrun._scheduler
+
+        if os.environ.get("SPAWNRUN_CHILD") != "1":
+            take = spawnrun._scheduler.Scheduler._take
+
+            def never_for_one(self, job):
+                return None if "never" in job.item.name else take(self, job)
+
+            spawnrun._scheduler.Scheduler._take = never_for_one
+        """
+    )
+    pytester.makepyfile(
+        """
+        import pytest
+        pytestmark = pytest.mark.gpu
+
+        def test_first():
+            pass
+
+        def test_never_gets_its_device():
+            pass
+
+        def test_last():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-gpus", "0,", "--spawn-lookahead", "0", timeout=HANG
+    )
+    result.assert_outcomes(passed=2, errors=1)
+    result.stdout.fnmatch_lines(["*spawnrun: nothing could start this test*held: nothing*"])
+    no_internal_error(result)
