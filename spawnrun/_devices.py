@@ -376,6 +376,11 @@ def _owner(token: str) -> int:
     return int(token.split(":", 1)[0])
 
 
+def owned_here(token: str) -> bool:
+    """Whether a claim's token is this process's (``token_for``), not another worker's."""
+    return token.split(":", 1)[0] == str(os.getpid())
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

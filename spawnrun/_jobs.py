@@ -119,8 +119,7 @@ class Job:
         self.held_after: int | None = None
         #: Why its child was not handed to the scope's next test ("": it was, or none).
         self.replaced = ""
-        #: Its child ran the scope's test before it (it booted nothing): that test.
-        self.adopted = False
+        #: The scope's test before it, whose child it took over (None: it booted one).
         self.previous: pytest.Item | None = None
         self.plan = plan
         self.timeout = plan.timeout
@@ -282,7 +281,6 @@ class Job:
         if child is None:
             return False
         self.child = child
-        self.adopted = True
         self.previous = donor.item
         self.pids = set(ending.pids)
         self.template_pid = donor.template_pid
@@ -300,7 +298,7 @@ class Job:
 
     def _send_go(self) -> None:
         assert self.child is not None
-        if self.adopted:
+        if self.previous is not None:  # adopted: the child is told which test
             nodeid, params = self.item.nodeid, proto.bindings(self.item)
             self.child.go(self.env_set, self.env_unset, nodeid, params)
         else:

@@ -35,7 +35,6 @@ timeout.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import statistics
 import time
@@ -249,9 +248,13 @@ class Scheduler:
                 timeout = min(_LEDGER_POLL, timeout or _LEDGER_POLL)
             self.loop_once(_sooner(timeout, self._redraw()))
 
+    def _holders(self) -> list[Job | Ending]:
+        """Everything of ours that may hold devices: tests in flight, children ending."""
+        return [*self.jobs, *self.endings]
+
     def _nothing_can_move(self) -> bool:
         """No process of ours, deadline or other worker's claim can free what a test waits for."""
-        holders: list[Job | Ending] = [*self.jobs, *self.endings]
+        holders = self._holders()
         if any(h.deadline is not None for h in holders):
             return False  # a deadline moves it on (a reap, a settle, a timeout)
         # A live child moves on by itself unless it is idle: booted ahead and waiting
@@ -264,8 +267,7 @@ class Scheduler:
         tokens = self.allocator.tokens()
         if tokens is None:
             return False  # the ledger is out of reach: look again soon
-        mine = f"{os.getpid()}:"
-        return all(t.startswith(mine) for t in tokens)  # no other worker's claim
+        return all(_devices.owned_here(t) for t in tokens)  # no other worker's claim
 
     def _reclaim_leaks(self) -> bool:
         """Give back claims of ours that no test or child holds (True: there were some).
@@ -273,10 +275,9 @@ class Scheduler:
         Only asked when nothing of ours runs: such a claim can never be given back
         otherwise, and every later test on its devices would wait for it.
         """
-        holders: list[Job | Ending] = [*self.jobs, *self.endings]
+        holders = self._holders()
         held = {h.token for h in holders if h.held}
-        mine = f"{os.getpid()}:"
-        leaked = {t for t in self.allocator.tokens() or () if t.startswith(mine)} - held
+        leaked = {t for t in self.allocator.tokens() or () if _devices.owned_here(t)} - held
         for token in leaked:
             self.allocator.give_back(list(self.allocator.ids), token)
         self.leaks += len(leaked)
@@ -284,7 +285,7 @@ class Scheduler:
 
     def _stuck(self, job: Job) -> None:
         """Nothing will ever let ``job`` start: it fails, saying so, and the run goes on."""
-        holders: list[Job | Ending] = [*self.jobs, *self.endings]
+        holders = self._holders()
         held = {d: type(h).__name__ for h in holders for d in h.held}
         text = (
             f"{_reports.STUCK}: it waited for {job.plan.count} device(s) and nothing that "
@@ -454,7 +455,7 @@ class Scheduler:
 
     def _plan(self, count: int) -> list[str]:
         load: dict[str, int] = {}
-        holders: list[Job | Ending] = [*self.jobs, *self.endings]
+        holders = self._holders()
         for holder in holders:
             for device in holder.devices:
                 load[device] = load.get(device, 0) + 1
@@ -595,15 +596,9 @@ class Scheduler:
             self._finish_earlier(job)
             job.replay.emit(None, interrupted=True)
             for other in list(self.jobs):
-                if other is job:
-                    continue
-                self._hear_last_words(other)
-                if other.turned and other.reported and not other.replayed:
-                    other.replayed = True  # its "done" had come: it ended before the stop
-                    other.replay.emit(other.parent_error)
-                    continue
-                other.replayed = True
-                other.abort(STOPPED, report=False)
+                if other is not job:
+                    other.replayed = True
+                    other.abort(STOPPED, report=False)
             self.ahead = {}
             _replay.raise_interrupt(job.interrupted)
         job.replay.emit(job.parent_error)
@@ -630,16 +625,6 @@ class Scheduler:
 
         while earlier():
             self.loop_once(self._redraw() or 0.1)
-
-    def _hear_last_words(self, job: Job) -> None:
-        """What the job's child has sent already (never waits): its "done" may be there."""
-        child = job.child
-        if child is None or child.gone or job.state not in LISTENING:
-            return
-        for msg in child.messages():
-            if job.child is not child:
-                break
-            job.on_message(msg)
 
     # Ends ----------------------------------------------------------------------------
 

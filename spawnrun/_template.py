@@ -104,10 +104,9 @@ def _wait_for(pid: int, said_done: int) -> tuple[int, bool, bool]:
         while True:
             ended, status = os.waitpid(pid, os.WNOHANG)
             if ended:
-                if done_at is None and not heard_all:
-                    heard_all = _said(said_done) is not True
-                    done_at = None if heard_all else time.monotonic()
-                return status, done_at is not None, killed
+                # Its word may have come with its exit, in the same instant.
+                done = done_at is not None or (not heard_all and _said(said_done) is True)
+                return status, done, killed
             if done_at is None and not heard_all:
                 said = _said(said_done)
                 if said:

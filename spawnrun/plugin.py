@@ -796,9 +796,6 @@ class _AfterEachTest:
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    ledger = config.stash.get(LEDGER_KEY, None)
-    if ledger is not None:  # the xdist controller: every worker is gone by now
-        shutil.rmtree(ledger, ignore_errors=True)
     _store_peaks(config)
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:

@@ -57,7 +57,6 @@ class Ends(Run):
         if event.interrupt:
             self._interrupted(event.test)
         child.last, child.test = event.test, ""
-        child.tests_run += 1
         if child.members and child.members[0] == event.test:
             child.members.pop(0)
         more = bool(child.scope) and bool(child.members)

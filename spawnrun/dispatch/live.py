@@ -23,7 +23,7 @@ def can_move(run: Run, head: str) -> bool:
     """Whether an event will still come that may let ``head`` start."""
     if any(c.state in MOVING for c in run.children.values()):
         return True
-    return any(c.token == PEER for d in run.pool.ids for c in run.pool.held(d))
+    return run.peers_hold()
 
 
 def explain(run: Run, test: str) -> str:

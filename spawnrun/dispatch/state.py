@@ -38,7 +38,6 @@ class Entry:
     #: Its child booted ahead died before its turn: its report when the turn comes.
     failed_ahead: str = ""
     warned: bool = False
-    went: float | None = None
     ended_by: str = ""
 
 
@@ -127,7 +126,6 @@ class Run:
         child.test = entry.test.id
         timeout = entry.test.timeout
         child.move(State.RUNNING, self.now, None if timeout is None else self.now + timeout)
-        entry.went = self.now
         self.emit(ev.Go(child.id, entry.test.id))
 
     def dismiss(self, child: Child) -> None:
@@ -161,7 +159,9 @@ class Run:
     def wanted(self, test: ev.Test) -> int:
         return len(self.pool.ids) if test.every else test.count
 
-    def choose(self, test: ev.Test, without: set[int] = frozenset()) -> tuple[str, ...] | None:  # type: ignore[assignment]
+    def choose(
+        self, test: ev.Test, without: frozenset[int] | set[int] = frozenset()
+    ) -> tuple[str, ...] | None:
         """Devices the test's claim fits on now (ignoring the claims of ``without``)."""
         count = self.wanted(test)
         if count == 0:
@@ -253,10 +253,14 @@ class Run:
         unassigned = child.kind is Kind.EARLY and not child.test
         return child.state is State.STARTING and (unassigned or self.is_ahead(child))
 
+    def peers_hold(self) -> bool:
+        """Whether another xdist worker holds a device (its claims are polled)."""
+        return any(c.token == PEER for d in self.pool.ids for c in self.pool.held(d))
+
     def next_wake(self) -> float | None:
         """When the driver must send a ``Tick`` at the latest (None: only events matter)."""
         times = [c.deadline for c in self.live_or_settling() if c.deadline is not None]
-        if self.queue and any(c.token == PEER for d in self.pool.ids for c in self.pool.held(d)):
+        if self.queue and self.peers_hold():
             times.append(self.now + self.settings.poll)
         for tid in self.queue:
             entry = self.tests[tid]

@@ -79,9 +79,6 @@ class Child:
     since: float = 0.0
     #: When its current state ends by itself (None: an event will end it).
     deadline: float | None = None
-    #: A template that may not fork (why); a fork's template is ``parent``.
-    refused: str = ""
-    tests_run: int = 0
 
     def move(self, to: State, now: float, deadline: float | None = None) -> None:
         if to not in ALLOWED[self.state]:

@@ -80,7 +80,6 @@ class Proc:
     running: str = ""
     ran: list[str] = field(default_factory=list)
     last_fate: str = "pass"
-    epoch: int = 0
 
 
 @dataclass
@@ -278,7 +277,6 @@ class World:
         spec = self.specs[a.test]
         proc.running = a.test
         proc.ran.append(a.test)
-        proc.epoch += 1
         start = self.now
         end = start + spec.duration
         fate = spec.fate
