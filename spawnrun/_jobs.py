@@ -135,6 +135,8 @@ class Job:
         self.replay = _replay.Replay(item)
         self.candidates = _starting.candidate_args(item, self.then)
         self.problems: list[str] = []
+        #: Why its child could not be started ("": it could).
+        self.start_error = ""
         self.child: _runner.ChildProcess | None = None
         #: The devices it holds in the allocator (its planned ones, from its go on).
         self.held: list[str] = []
@@ -216,6 +218,7 @@ class Job:
                 child = _starting.start(self.item, args, env, self.executions, then, template)
         except Exception as exc:  # noqa: BLE001 - the test's failure, never the run's end
             self.child = None
+            self.start_error = f"{type(exc).__name__}: {exc}"
             if self.turned:
                 text = f"{_reports.NOT_STARTED}: {type(exc).__name__}: {exc}\nnode id: "
                 self.replay.fail("setup", text + self.item.nodeid)

@@ -489,11 +489,14 @@ class Scheduler:
         self.graveyard = [dead for dead in self.graveyard if not dead.gone]
         for dead in self.graveyard:
             events[dead.sentinel] = ("grave", dead)
+        for sentinel in self._watched():
+            events[sentinel] = ("watched", None)  # its exit is seen by the next turn's look
         zygote = self.zygote.zygote if self.zygote is not None else None
         if zygote is not None and zygote.listening:
             events[zygote.conn] = ("zygote", zygote)
         deadlines = [j.deadline for j in self.jobs if j.deadline is not None]
         deadlines += [e.deadline for e in self.endings if e.deadline is not None]
+        deadlines += self._deadlines()
         if deadlines:
             until = max(0.0, min(deadlines) - time.monotonic())
             timeout = until if timeout is None else min(timeout, until)
@@ -531,6 +534,14 @@ class Scheduler:
         self._after_events()
         if self.status is not None:
             self.status.update(self.running())
+
+    def _watched(self) -> list[Any]:
+        """More exits to wake for (the driver's children started while collecting)."""
+        return []
+
+    def _deadlines(self) -> list[float]:
+        """More deadlines to wake for (the driver's dispatcher's)."""
+        return []
 
     def _after_events(self) -> None:
         """Collect what the handlers produced: boot times, reports to replay, ends."""

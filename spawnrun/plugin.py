@@ -26,6 +26,7 @@ from spawnrun import _bytecode
 from spawnrun import _child
 from spawnrun import _cudawatch
 from spawnrun import _devices
+from spawnrun import _drive
 from spawnrun import _early
 from spawnrun import _forkserver
 from spawnrun import _inventory
@@ -147,7 +148,10 @@ def pytest_configure(config: pytest.Config) -> None:
         holder = config.stash[_starting.ZYGOTE_KEY] = _forkserver.ZygoteHolder(
             list(settings.preload)
         )
-    scheduler = config.stash[SCHEDULER_KEY] = _scheduler.Scheduler(
+    # The dispatcher drives every run but an xdist worker's (whose devices the ledger
+    # shares): that one is still the old scheduler's, until the ledger is an event too.
+    kind = _scheduler.Scheduler if _xdist_worker() else _drive.Driver
+    scheduler = config.stash[SCHEDULER_KEY] = kind(
         _devices.allocator_for(inventory.ids, ledger, capacity, per_gpu),
         limit,
         settings.settle,
@@ -156,6 +160,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if _boots_early(config, settings):
         scheduler.early = _early.Early(lookahead)
+    if isinstance(scheduler, _drive.Driver):
+        scheduler.config = config
     scheduler.status = _status.Status(config, several=limit > 1)
     scheduler.poison = _poison.patterns(settings.poison)
     scheduler.replace_above = settings.scope_memory
@@ -318,6 +324,9 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     if marked and count > len(ids):
         return  # such tests are skipped here (a machine without GPUs, say)
     plan = _plan_from(marked, count, settings, {}, ids, capacity, None, None)
+    if isinstance(scheduler, _drive.Driver):
+        scheduler.expect(str(path), plan)  # the dispatcher decides whether, and where
+        return
     devices = []
     if count and not plan.every:
         devices = _devices.least_loaded(ids, scheduler.early.load(), count)
@@ -338,7 +347,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             if item.path not in spawned and _spawns(item):  # the file's first spawned test
                 plan = _plan_of(item)
                 spawned[item.path] = (not plan.every, plan.count)
-        scheduler.collected({str(p) for p in spawned})
+        if not isinstance(scheduler, _drive.Driver):
+            scheduler.collected({str(p) for p in spawned})
         settings = session.config.stash[SETTINGS_KEY]
         in_process = settings.no_spawn or settings.forced_inprocess
         # Not from a worker (it writes no cache; the controller collects none), nor
@@ -349,6 +359,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         holder.collected()  # preload in the template what collection imported
+    if isinstance(scheduler, _drive.Driver):
+        # Once the zygote forks what collection imported: children may boot ahead now.
+        scheduler.suite([(it, _plan_of(it)) for it in session.items if _spawns(it)])
 
 
 @pytest.hookimpl(trylast=True)
@@ -729,8 +742,8 @@ def _upcoming(
     A scope's later tests run in its first test's child: they are passed over, so the
     next scope's child boots while a long scope still runs, not at its last test.
     """
-    if not scheduler.lookahead or nextitem is None:
-        return []
+    if not scheduler.lookahead or nextitem is None or isinstance(scheduler, _drive.Driver):
+        return []  # the dispatcher boots ahead from the suite
     session = item.session
     if _xdist_worker():
         # A worker's order is the controller's to decide: only nextitem is known.

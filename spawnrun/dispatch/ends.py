@@ -39,9 +39,11 @@ class Ends(Run):
             if child.state is not State.SETTLING:
                 child.move(State.SETTLING, self.now)
             self.settled(child)
-        elif isinstance(event, ev.Refused):
+        elif isinstance(event, ev.Refused) and child.kind is Kind.TEMPLATE:
             self.refused[child.key] = event.why
             self.dismiss(child)
+        elif isinstance(event, ev.Refused):
+            self.unshare(child, event.why)
         elif isinstance(event, ev.Done):
             self._done(child, event)
         elif isinstance(event, ev.Exited):
@@ -59,7 +61,7 @@ class Ends(Run):
         child.last, child.test = event.test, ""
         if child.members and child.members[0] == event.test:
             child.members.pop(0)
-        more = bool(child.scope) and bool(child.members)
+        more = bool(child.scope) and bool(child.members) and event.more
         goes_on = not self.stopping or bool(
             self.interrupting and set(child.members[:1]) & set(self.queue)
         )

@@ -113,7 +113,12 @@ class StartFailed(Event):
 
 @dataclass(frozen=True)
 class Refused(Event):
-    """A template may not fork its tests (``why``): they get children of their own."""
+    """A template may not fork its tests (``why``): they get children of their own.
+
+    Told of a scope's child: its scope is not shared after all (a file template that
+    runs its own test); it runs the test it was started for, the scope's later tests
+    get children of their own.
+    """
 
     child: int
     why: str
@@ -124,13 +129,15 @@ class Done(Event):
     """The child sent "done" for ``test``: its reports are complete.
 
     ``interrupt``: the test called ``pytest.exit`` or was interrupted; ``poisoned``: its
-    failure says the process is broken, so a scope's child is replaced.
+    failure says the process is broken, so a scope's child is replaced; ``more``: the
+    child waits for its scope's next test (False: it exits by itself).
     """
 
     child: int
     test: str
     interrupt: bool = False
     poisoned: bool = False
+    more: bool = True
 
 
 @dataclass(frozen=True)
@@ -151,6 +158,13 @@ class Peers(Event):
     """What other xdist workers hold now: (device, need) per claim."""
 
     claims: tuple[tuple[str, int | None], ...]
+
+
+@dataclass(frozen=True)
+class Free(Event):
+    """What NVML says is free on each device now (bytes; None: unknown), for admission."""
+
+    free: tuple[tuple[str, int | None], ...]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from dataclasses import replace
 
 from spawnrun import _packing
 from spawnrun.dispatch import events as ev
@@ -58,8 +59,10 @@ class Run:
         self.queue: list[str] = []
         self.children: dict[int, Child] = {}
         self.templates: dict[str, Child] = {}
-        #: Templates that may not fork (key -> why).
+        #: Templates that may not fork and scopes not shared after all (key -> why).
         self.refused: dict[str, str] = {}
+        #: Free memory per device as NVML last said (absent: unknown).
+        self.free: dict[str, int | None] = {}
         self.stopping = ""
         #: The test whose report stopped the session (those before it go on), the one
         #: that interrupted it, and whether the driver was told.
@@ -81,6 +84,8 @@ class Run:
         self.out.append(action)
 
     def know(self, test: ev.Test) -> Entry:
+        if test.scope and test.scope in self.refused:
+            test = replace(test, scope="")
         entry = self.tests.get(test.id)
         if entry is None:
             entry = self.tests[test.id] = Entry(test)
@@ -94,6 +99,15 @@ class Run:
             raise Illegal(f"{entry.test.id} ended twice ({entry.ended_by}, then {action})")
         entry.phase, entry.ended_by = Phase.ENDED, type(action).__name__
         self.emit(action)
+
+    def unshare(self, child: Child, why: str) -> None:
+        """The child's scope is not shared: it runs its test, later ones get their own."""
+        self.refused.setdefault(child.scope, why)
+        child.members = child.members[:1]
+        for entry in self.tests.values():
+            if entry.test.scope == child.scope and entry.phase in (Phase.KNOWN, Phase.WAITING):
+                entry.test = replace(entry.test, scope="")
+        child.scope = ""
 
     def warn(self, test: str, text: str) -> None:
         self.emit(ev.Warn(test, "spawnrun: " + text))
@@ -171,7 +185,7 @@ class Run:
             tokens = {f"c{i}" for i in without}
             claims = {d: [c for c in pool.held(d) if c.token not in tokens] for d in pool.ids}
             pool = _packing.Pool(pool.ids, pool.capacity, pool.per_gpu, pool.reserve, claims)
-        chosen = pool.choose(count, test.need)
+        chosen = pool.choose(count, test.need, self.free.get)
         return None if chosen is None else tuple(chosen)
 
     def can_ever_fit(self, test: ev.Test) -> bool:
@@ -232,12 +246,31 @@ class Run:
         return False
 
     def upcoming(self, n: int) -> list[ev.Test]:
+        """The next ``n`` tests pytest has not reached that would start a child.
+
+        A scope's later tests run in its first test's child: they are passed over, so
+        the next scope's child boots while a long scope still runs.
+        """
         if self.submitted:
             at = max(self.order.index(t) for t in self.submitted) + 1
         else:
             at = 0
-        later = [self.tests[t] for t in self.order[at:]]
-        return [e.test for e in later if e.phase is Phase.KNOWN][:n]
+        out: list[ev.Test] = []
+        scopes: set[str] = set()
+        for tid in self.order[at:]:
+            entry = self.tests[tid]
+            scope = entry.test.scope
+            if entry.phase is not Phase.KNOWN or scope in scopes:
+                continue
+            if scope:
+                scopes.add(scope)
+                child = self.scope_child(scope)
+                if child is not None and tid in child.members:
+                    continue
+            out.append(entry.test)
+            if len(out) >= n:
+                break
+        return out
 
     def is_ahead(self, child: Child) -> bool:
         if child.state not in (State.STARTING, State.READY) or not child.test:
