@@ -54,6 +54,7 @@ from spawnrun.dispatch import events as ev
 from spawnrun.dispatch.events import Kind
 from spawnrun.dispatch.events import Outcome
 from spawnrun.dispatch.state import Phase
+from spawnrun.dispatch.units import State as Life
 
 #: The dispatcher's own exit, kill and settle limits are backstops: the ending's
 #: (``_ending``) come first and say more.
@@ -206,7 +207,7 @@ class Driver(Scheduler):
     ) -> None:
         parent_error = _replay.parent_teardown(item, nextitem)
         self.items.setdefault(item.nodeid, (item, plan))
-        job = self._job(item.nodeid)
+        job = self._job_of(item.nodeid)
         job.timeout = plan.timeout
         job.turn(parent_error)
         if self.limit == 1:
@@ -348,8 +349,8 @@ class Driver(Scheduler):
                     out.append(ev.Exited(now, cid, -1))
         ending = unit.ending
         if ending is not None and ending.stage is Stage.HANDOVER:
-            child = self.core.children.get(cid)
-            if child is not None and child.state.value not in ("between tests", "running"):
+            mine = self.core.children.get(cid)
+            if mine is not None and mine.state not in (Life.BETWEEN, Life.RUNNING):
                 ending.dismiss()  # the dispatcher has it exit: no next test comes
         if ending is not None:
             gone = ending.stage in (Stage.REAPING, Stage.SETTLING, Stage.GONE)
@@ -357,6 +358,7 @@ class Driver(Scheduler):
                 unit.exited = True
                 out.append(ev.Exited(now, cid, 0))
             if ending.stage is Stage.GONE:
+                ending.held = []  # free: a test granted now does not share with it
                 out.append(ev.Released(now, cid))
                 self.units.pop(cid, None)
         if unit.grave is not None and (unit.grave.gone or unit.grave.exitcode is not None):
@@ -412,7 +414,7 @@ class Driver(Scheduler):
             elif isinstance(action, ev.Interrupt):
                 self._interrupt()
 
-    def _job(self, nodeid: str) -> Job:
+    def _job_of(self, nodeid: str) -> Job:
         job = self.by_id.get(nodeid)
         if job is None:
             item, plan = self.items[nodeid]
@@ -437,7 +439,6 @@ class Driver(Scheduler):
             job.devices, job.claimed = [], list(devices)
         else:
             job.devices, job.claimed = list(devices), list(devices)
-        job.held = list(job.claimed)
         job.then = [m for m in members if m != job.item.nodeid]
         job.reset_candidates()
         if job not in self.jobs:
@@ -458,7 +459,7 @@ class Driver(Scheduler):
             unit.early = _early.EarlyChild(path, child, list(action.devices), env)
             self.early.add(unit.early)
             return
-        job = self._job(action.test)
+        job = self._job_of(action.test)
         self._place(job, action.devices, list(action.members))
         unit.job = job
         job.start()
@@ -476,7 +477,7 @@ class Driver(Scheduler):
         early = unit.early
         assert early is not None
         self._forget_early(unit)
-        job = self._job(test)
+        job = self._job_of(test)
         self._place(job, unit.devices, members)
         own = _early.Early(1)
         own.waiting = [early]
@@ -497,6 +498,7 @@ class Driver(Scheduler):
         return self.config
 
     def _grant(self, job: Job) -> None:
+        job.held = list(job.claimed)  # from its go on: what it shares is counted then
         self._note_sharing(job)
         if self.limit == 1:
             job.replay.start_live()  # -s: the node id line before what the test prints
@@ -517,7 +519,7 @@ class Driver(Scheduler):
                 self._grant(unit.job)
             return
         donor = unit.last
-        job = self._job(action.test)
+        job = self._job_of(action.test)
         if donor is not None and unit.ending is not None and job.adopt(donor):
             if job not in self.jobs:
                 self.jobs.append(job)
@@ -575,6 +577,8 @@ class Driver(Scheduler):
         job.replayed = True
         if not job.turned or self.finishing:
             return  # the session is over: as in-process, no report comes now
+        if job.state is State.DONE and job not in self.jobs and job.ending not in self.endings:
+            self._count_test(job)  # it ended before its turn, and was counted without it
         if job.interrupted is not None:
             job.replay.emit(None, interrupted=True)
             self.interrupting = job

@@ -356,6 +356,31 @@ def test_exitfirst_stops_dispatch_and_reports_running_children(pytester):
     assert not (pytester.path / "three.txt").exists()
 
 
+@pytest.mark.parametrize("mode", ["in-process", "spawned"])
+def test_exitfirst_lets_a_test_reached_before_the_failure_finish(pytester, mode):
+    """As in-process, a test pytest reached before the failing one ends and reports; the
+    test after it never starts (the old scheduler killed the first as "stopped")."""
+    pytester.makepyfile(
+        """
+        import time
+        import pytest
+        pytestmark = pytest.mark.gpu(count=0)
+        def test_reached_first():
+            time.sleep(2)  # still running when the next test fails
+        def test_fails():
+            assert False
+        def test_never_starts():
+            open("three.txt", "w").write("x")
+        """
+    )
+    args = ["-p", "no:cacheprovider", "-x", "--spawn-jobs", "2"]
+    result = pytester.runpytest_subprocess(*args, *(["--no-spawn"] if mode == "in-process" else []))
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*stopping after 1 failures*"])
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    assert not (pytester.path / "three.txt").exists()
+
+
 def _session_end(result: pytest.RunResult) -> list[str]:
     """The run's lines after collection, without spawnrun's summary and timings."""
     lines = result.stdout.lines

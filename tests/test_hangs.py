@@ -277,15 +277,15 @@ def test_a_test_nothing_can_start_fails_saying_why_instead_of_waiting(pytester):
     pytester.makeconftest(
         """
         import os
-        import spawnrun._scheduler
+        from spawnrun.dispatch.state import Run
 
         if os.environ.get("SPAWNRUN_CHILD") != "1":
-            take = spawnrun._scheduler.Scheduler._take
+            choose = Run.choose
 
-            def never_for_one(self, job):
-                return None if "never" in job.item.name else take(self, job)
+            def never_for_one(self, test, without=frozenset()):
+                return None if "never" in test.id else choose(self, test, without)
 
-            spawnrun._scheduler.Scheduler._take = never_for_one
+            Run.choose = never_for_one
         """
     )
     pytester.makepyfile(
@@ -307,5 +307,7 @@ def test_a_test_nothing_can_start_fails_saying_why_instead_of_waiting(pytester):
         "-p", "no:cacheprovider", "--spawn-gpus", "0,", "--spawn-lookahead", "0", timeout=HANG
     )
     result.assert_outcomes(passed=2, errors=1)
-    result.stdout.fnmatch_lines(["*spawnrun: nothing could start this test*held: nothing*"])
+    result.stdout.fnmatch_lines(
+        ["*spawnrun: nothing could start this test: it waited for 1 device(s) alone*"]
+    )
     no_internal_error(result)
