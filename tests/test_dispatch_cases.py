@@ -175,6 +175,27 @@ def test_waiting_for_another_workers_device_is_bounded_by_polls() -> None:
     assert result.time >= 30.0
 
 
+@pytest.mark.parametrize("lag", [0.0, 1.0])
+def test_a_start_another_worker_beat_to_the_ledger_waits_again(lag: float) -> None:
+    """The dispatcher learns of a peer's claim a poll late: its start is denied (no
+    process), the test waits in its place and runs once the peer is done."""
+    specs = [Spec(ev.Test("mine"), duration=0.1), Spec(ev.Test("next"), duration=0.1)]
+    world = World(_settings(jobs=2), specs, peers=((0.0, 5.0, "0", None),), peer_lag=lag)
+    result = world.run()
+    assert result.ends == {"mine": ["replay"], "next": ["replay"]}
+    assert result.time >= 5.0
+    assert bool(world.denied) == (lag > 0)
+
+
+def test_booting_ahead_follows_what_pytest_says_comes_next() -> None:
+    """An xdist worker's order is not the collection's: only the told test boots ahead."""
+    d = Dispatcher(_settings(devices=("0", "1"), capacity=(), lookahead=2))
+    suite = tuple(ev.Test(t) for t in ("a", "b", "c"))
+    d.handle(ev.Suite(0, suite), ev.Next(0, ("c",)), ev.Submit(0, suite[0]))
+    started = [a.test for a in d.step() if isinstance(a, ev.Start)]
+    assert started == ["a", "c"]
+
+
 def test_a_test_that_never_fits_gets_a_report_not_a_wait() -> None:
     specs = [Spec(ev.Test("huge", need=200 * GiB)), Spec(ev.Test("small", need=GiB))]
     outcomes = _outcomes(World(_settings(), specs))

@@ -80,7 +80,7 @@ def scenarios(draw: st.DrawFn) -> World:
                 st.sampled_from(devices),
                 st.sampled_from([None, 2 * GiB]),
             ).filter(lambda p: p[0] < p[1]),
-            max_size=1,
+            max_size=2,
         )
     )
     expect = tuple((f"file{k}", 1, None) for k in draw(st.lists(st.sampled_from("012"))))
@@ -90,6 +90,8 @@ def scenarios(draw: st.DrawFn) -> World:
         maxfail=draw(st.sampled_from([0, 0, 1, 2])),
         expect=expect,
         peers=tuple(peers),
+        peer_lag=draw(st.sampled_from([0.0, 0.0, 0.05, 0.3])),
+        told_next=draw(st.booleans()),
         template_refuses=frozenset(draw(st.sets(st.sampled_from(["tpl x", "tpl y"])))),
     )
 
@@ -101,7 +103,7 @@ def _serial_bound(world: World) -> float:
         spec.boot + spec.duration + s.exit_grace + s.kill_grace + s.settle + 2.0
         for spec in world.specs.values()
     ]
-    peers = sum(end - start for start, end, _, _ in world.peers)
+    peers = sum(end - start + world.peer_lag + 0.2 for start, end, _, _ in world.peers)
     return sum(per_test) + peers + 3 * 1.5 + s.patience * 0
 
 

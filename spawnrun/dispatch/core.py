@@ -82,6 +82,8 @@ class Dispatcher(Ends):
                     self.dismiss(child)
         elif isinstance(event, ev.Peers):
             self.set_peers(event.claims)
+        elif isinstance(event, ev.Next):
+            self.told_next = event.tests
         elif isinstance(event, ev.Free):
             self.free = dict(event.free)
         elif isinstance(event, ev.Stop):

@@ -39,6 +39,8 @@ class Ends(Run):
             if child.state is not State.SETTLING:
                 child.move(State.SETTLING, self.now)
             self.settled(child)
+        elif isinstance(event, ev.Denied) and child.state is State.STARTING:
+            self._denied(child)
         elif isinstance(event, ev.Refused) and child.kind is Kind.TEMPLATE:
             self.refused[child.key] = event.why
             self.dismiss(child)
@@ -88,6 +90,18 @@ class Ends(Run):
         else:
             child.move(State.SETTLING, self.now)
             self.settled(child)
+
+    def _denied(self, child: Child) -> None:
+        """No process was started (a peer holds its devices): its test waits again, in
+        its place in the queue; a test booted ahead is booted again later."""
+        entry = self.tests.get(child.test) if child.test else None
+        if entry is not None and entry.phase is Phase.STARTED and entry.child == child.id:
+            entry.phase, entry.child = Phase.WAITING, 0
+            self.queue.append(entry.test.id)
+            self.queue.sort(key=self.submitted.index)
+        child.test = ""
+        child.move(State.GONE, self.now)
+        self.give_back(child)
 
     def _lost_before_test(self, child: Child, why: str) -> None:
         """A child died before it ran its test: the test gets that as its report."""

@@ -161,6 +161,26 @@ class Peers(Event):
 
 
 @dataclass(frozen=True)
+class Denied(Event):
+    """Another xdist worker claimed the devices of a child the dispatcher just started.
+
+    The driver takes the ledger's claim as it performs ``Start``, before any process
+    exists; when a peer got there first, nothing was started: the child is forgotten and
+    its test waits again. A ``Peers`` with the ledger's claims comes in the same batch.
+    """
+
+    child: int
+
+
+@dataclass(frozen=True)
+class Next(Event):
+    """The tests pytest will reach next, as far as it knows (an xdist worker's own
+    order, which is not the collection's): booting ahead takes only these."""
+
+    tests: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Free(Event):
     """What NVML says is free on each device now (bytes; None: unknown), for admission."""
 

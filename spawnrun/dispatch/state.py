@@ -71,6 +71,9 @@ class Run:
         self.interrupt_told = False
         self.last = False
         self.collecting = True
+        #: The tests pytest reaches next where the suite's order is not its order (an
+        #: xdist worker's, told by ``Next``); None: the suite's order.
+        self.told_next: tuple[str, ...] | None = None
         self.now = 0.0
         self.out: list[ev.Action] = []
         #: For the summary and the properties: tests reported stuck, children given up.
@@ -251,13 +254,15 @@ class Run:
         A scope's later tests run in its first test's child: they are passed over, so
         the next scope's child boots while a long scope still runs.
         """
-        if self.submitted:
-            at = max(self.order.index(t) for t in self.submitted) + 1
+        if self.told_next is not None:
+            ahead = [t for t in self.told_next if t in self.tests]
+        elif self.submitted:
+            ahead = self.order[max(self.order.index(t) for t in self.submitted) + 1 :]
         else:
-            at = 0
+            ahead = self.order
         out: list[ev.Test] = []
         scopes: set[str] = set()
-        for tid in self.order[at:]:
+        for tid in ahead:
             entry = self.tests[tid]
             scope = entry.test.scope
             if entry.phase is not Phase.KNOWN or scope in scopes:

@@ -11,6 +11,12 @@ event to event. It keeps its own record of every process and checks, after every
   that has exited;
 * a scope's child runs its tests in the order they were submitted.
 
+Other xdist workers share the devices through a ledger that the world keeps as the
+truth: a peer's claim is taken when it fits beside the claims there (the world's own
+live processes included), and the dispatcher learns of it ``peer_lag`` seconds later
+(the driver's poll). A start onto devices a peer took meanwhile is ``Denied``, as the
+driver's ledger claim would be; the safety checks count peers' claims too.
+
 A state in which the simulated pytest waits and nothing is due (no process event, no
 tick asked for) is a hang: ``Hang`` is raised with the dispatcher's state.
 """
@@ -22,6 +28,7 @@ import itertools
 from dataclasses import dataclass
 from dataclasses import field
 
+from spawnrun import _packing
 from spawnrun.dispatch import Dispatcher
 from spawnrun.dispatch import events as ev
 from spawnrun.dispatch.events import Kind
@@ -102,6 +109,8 @@ class World:
         maxfail: int = 0,
         expect: tuple[tuple[str, int, int | None], ...] = (),
         peers: tuple[tuple[float, float, str, int | None], ...] = (),
+        peer_lag: float = 0.0,
+        told_next: bool = False,
         suite: bool = True,
         template_refuses: frozenset[str] = frozenset(),
     ) -> None:
@@ -111,6 +120,12 @@ class World:
         self.maxfail = maxfail
         self.expect = expect
         self.peers = peers
+        self.peer_lag = peer_lag
+        #: An xdist worker: pytest tells only the next test (``Next``) before each.
+        self.told_next = told_next
+        #: The ledger's truth: the claims peers hold now, by peer index.
+        self.peer_claims: dict[int, tuple[str, int | None]] = {}
+        self.denied: set[int] = set()
         self.suite = suite
         self.template_refuses = template_refuses
         self.d = Dispatcher(settings)
@@ -133,7 +148,8 @@ class World:
         specs = ",\n  ".join(repr(s) for s in self.specs.values())
         return (
             f"World({self.settings!r},\n  [{specs}],\n  maxfail={self.maxfail}, "
-            f"expect={self.expect!r}, peers={self.peers!r}, "
+            f"expect={self.expect!r}, peers={self.peers!r}, peer_lag={self.peer_lag!r}, "
+            f"told_next={self.told_next!r}, "
             f"template_refuses={set(self.template_refuses)!r})"
         )
 
@@ -147,19 +163,22 @@ class World:
             first.append(ev.Collected(0.0, frozenset(s.test.key for s in self.specs.values())))
         if self.suite:
             first.append(ev.Suite(0.0, tuple(s.test for s in self.specs.values())))
-        for start, end, device, need in self.peers:
-            claim = ev.Peers(start, ((device, need),))
-            if start == 0.0:
-                first.append(claim)
+        for index, (start, _end, _device, _need) in enumerate(self.peers):
+            if start == 0.0 and self._peer_takes(index):
+                if self.peer_lag == 0.0:
+                    first.append(self._ledger())
             else:
-                self._at(start, claim)
-            self._at(end, ev.Peers(end, ()))
+                self._at(start, _PeerTakes(start, index))
         if first:
             self._apply(self.d.handle(*first))
-        for tid in self.order:
+        for at, tid in enumerate(self.order):
             if self.stopped:
                 break
-            self._apply(self.d.handle(ev.Submit(self.now, self.specs[tid].test)))
+            events: list[ev.Event] = []
+            if self.told_next:
+                events.append(ev.Next(self.now, tuple(self.order[at + 1 : at + 2])))
+            events.append(ev.Submit(self.now, self.specs[tid].test))
+            self._apply(self.d.handle(*events))
             self._until(lambda tid=tid: self.d.placed(tid) or self.stopped, f"placing {tid}")
         if not self.stopped:
             self._apply(self.d.handle(ev.Last(self.now)))
@@ -208,6 +227,17 @@ class World:
 
     def _observe(self, event: ev.Event) -> bool:
         """The world's side of an event; False: it is the world's own, not the driver's."""
+        if isinstance(event, _PeerTakes):
+            if not self._peer_takes(event.peer):
+                self._at(self.now + 0.1, _PeerTakes(self.now + 0.1, event.peer))
+            return False
+        if isinstance(event, _PeerLeaves):
+            del self.peer_claims[event.peer]
+            self._at(self.now + self.peer_lag, _Poll(self.now + self.peer_lag))
+            return False
+        if isinstance(event, _Poll):
+            self._at(self.now, self._ledger())
+            return False
         proc = self.procs.get(getattr(event, "child", -1))
         if isinstance(event, _Freed):
             if proc is not None:
@@ -218,6 +248,32 @@ class World:
         if isinstance(event, ev.Done) and proc is not None:
             proc.running = ""
         return True
+
+    def _peer_takes(self, index: int) -> bool:
+        """Peer ``index`` takes its claim if it fits beside the ledger's claims now."""
+        start, end, device, need = self.peers[index]
+        if not self._ledger_pool().fits(device, need):
+            return False
+        self.peer_claims[index] = (device, need)
+        self._at(self.now + (end - start), _PeerLeaves(self.now + (end - start), index))
+        if self.now > 0.0 or self.peer_lag > 0.0:
+            self._at(self.now + self.peer_lag, _Poll(self.now + self.peer_lag))
+        return True
+
+    def _ledger(self) -> ev.Peers:
+        return ev.Peers(self.now, tuple(self.peer_claims.values()))
+
+    def _ledger_pool(self, without: int = 0) -> _packing.Pool:
+        """The ledger as it is: every live process's claim and every peer's."""
+        s = self.settings
+        pool = _packing.Pool(s.devices, self.capacity, s.per_gpu, s.reserve)
+        gone = self._given_up()
+        for p in self.procs.values():
+            if p.child != without and not p.released and p.child not in gone:
+                pool.take(p.devices, p.need, f"c{p.child}")
+        for index, (device, need) in self.peer_claims.items():
+            pool.take((device,), need, f"peer{index}")
+        return pool
 
     def _state(self) -> str:
         waiting = [t for t in self.d.queue]
@@ -244,7 +300,15 @@ class World:
         self._check_safety()
 
     def _start(self, a: ev.Start) -> None:
-        proc = Proc(a.child, a.kind, a.devices, self.d.children[a.child].need, a.test, a.members)
+        need = self.d.children[a.child].need
+        if a.devices and self.peer_claims:
+            pool = self._ledger_pool()
+            if not all(pool.fits(dv, need) for dv in a.devices):
+                self.denied.add(a.child)  # the ledger refuses it: no process is started
+                self._at(self.now, ev.Denied(self.now, a.child))
+                self._at(self.now, _Poll(self.now))
+                return
+        proc = Proc(a.child, a.kind, a.devices, need, a.test, a.members)
         self.procs[a.child] = proc
         spec = self.specs.get(a.test)
         fate = spec.fate if spec is not None and a.kind is not Kind.TEMPLATE else "pass"
@@ -265,6 +329,8 @@ class World:
             self._at(self.now + boot, ev.Booted(self.now + boot, a.child))
 
     def _go(self, a: ev.Go) -> None:
+        if a.child in self.denied:
+            raise Unsafe(f"go to child {a.child}, which the ledger denied")
         proc = self.procs[a.child]
         if proc.exited or proc.running:
             raise Unsafe(f"go to child {a.child} that is exited or busy ({proc})")
@@ -305,12 +371,16 @@ class World:
         self._at(when + release, _Freed(when + release, proc.child))
 
     def _dismiss(self, a: ev.Dismiss) -> None:
+        if a.child in self.denied:
+            return  # never started
         proc = self.procs[a.child]
         if proc.last_fate in ("linger", "unkillable") and proc.ran:
             return
         self._exit(proc, self.now + 0.05, 0)
 
     def _kill(self, a: ev.Kill) -> None:
+        if a.child in self.denied:
+            return
         proc = self.procs[a.child]
         self._drop_pending(proc)
         if proc.last_fate == "unkillable" and proc.ran:
@@ -376,6 +446,11 @@ class World:
                 for p in self.procs.values()
                 if device in p.devices and not p.released and p.child not in gone
             ]
+            holders += [
+                Proc(-1 - i, Kind.SPAWN, (dv,), need, "", ())
+                for i, (dv, need) in self.peer_claims.items()
+                if dv == device
+            ]
             alone = [p for p in holders if p.need is None]
             if alone and len(holders) > 1:
                 raise Unsafe(f"gpu {device}: alone with others: {[p.child for p in holders]}")
@@ -393,3 +468,20 @@ class _Freed(ev.Event):
     """The world's own note that a process's devices are free (not sent to the dispatcher)."""
 
     child: int
+
+
+@dataclass(frozen=True)
+class _PeerTakes(ev.Event):
+    """The world's own: peer ``peer`` tries to take its claim in the ledger."""
+
+    peer: int
+
+
+@dataclass(frozen=True)
+class _PeerLeaves(ev.Event):
+    peer: int
+
+
+@dataclass(frozen=True)
+class _Poll(ev.Event):
+    """The world's own: the driver reads the ledger (a ``Peers`` follows)."""
