@@ -266,6 +266,16 @@ class Allocator:
         with contextlib.suppress(TimeoutError), self._pool() as pool:
             pool.give_back(ids, token)
 
+    def others(self) -> tuple[tuple[str, int | None], ...] | None:
+        """Other processes' claims, (device, need) each (None: the ledger is out of reach)."""
+        try:
+            with self._pool() as pool:
+                return tuple(
+                    (d, c.need) for d in self.ids for c in pool.held(d) if not owned_here(c.token)
+                )
+        except TimeoutError:
+            return None
+
 
 class Ledger(Allocator):
     """Devices shared by the processes of one run (pytest-xdist workers).

@@ -20,12 +20,18 @@ between a scope's tests and after the last, a child started while collecting unt
 test takes it, or a dismissed process until it is gone. Its claim is held from its
 ``Start`` until ``Released`` (the ending is gone: exited, reaped, released by NVML).
 
-Not yet here (the old ``_scheduler`` still runs them): xdist workers, whose devices are
-shared through the ledger.
+Under pytest-xdist the workers share the devices through a file ledger
+(``_devices.Ledger``): the driver takes a child's claim there as it performs ``Start``,
+before any process exists (a peer that got there first: ``Denied``, and nothing is
+started), gives it back once the dispatcher has forgotten the child, and tells the
+dispatcher what the other workers hold (``Peers``) each time it feeds it. A worker's
+order is the controller's: booting ahead takes only the test pytest says comes next
+(``Next``).
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from dataclasses import replace
@@ -101,11 +107,18 @@ class Driver(Scheduler):
         #: Children started while collecting: what each key's child is started with.
         self.expected: dict[str, tuple[str, _packing.Plan]] = {}
         self.early_seen = 0
+        #: An xdist worker: pytest's order is not the suite's (``Next`` before each test).
+        self.told_next = False
         self.stop_told = False
         self.interrupting: Job | None = None
         self.finishing = False
         self._feeding = False
         self._queued: list[ev.Event] = []
+        #: Under xdist: the ledger, our claims in it (child -> devices), and the other
+        #: workers' claims as last told.
+        self.ledger = self.allocator if isinstance(self.allocator, _devices.Ledger) else None
+        self.claims: dict[int, tuple[str, ...]] = {}
+        self.peers: tuple[tuple[str, int | None], ...] | None = None
 
     # The dispatcher ------------------------------------------------------------------
 
@@ -147,6 +160,7 @@ class Driver(Scheduler):
             return  # told in the running feed's next round
         self._feeding = True
         try:
+            self._poll_peers()
             for _ in range(1000):
                 batch, self._queued = self._queued, []
                 batch += self._observe()
@@ -156,10 +170,49 @@ class Driver(Scheduler):
                 self._perform(self.core.handle(*self._take_queued()))
                 self._perform(self.core.step())
                 self._grant_started()
+                self._release_forgotten()
                 if not self._queued and not self._pending_observations():
                     return
         finally:
             self._feeding = False
+
+    # The ledger (xdist) -------------------------------------------------------------
+
+    def _poll_peers(self, force: bool = False) -> None:
+        """Tell the dispatcher what other workers hold, when that changed."""
+        if self.ledger is None:
+            return
+        others = self.ledger.others()
+        if others is None:
+            return  # out of reach now: the last claims told stand
+        if force or others != self.peers:
+            self.peers = others
+            self._queued.append(ev.Peers(time.monotonic(), others))
+
+    def _token(self, cid: int) -> str:
+        return f"{os.getpid()}:u{cid}"
+
+    def _claim(self, action: ev.Start) -> bool:
+        """Take the ledger's claim for a child about to start; False: a peer has them."""
+        if self.ledger is None or not action.devices:
+            return True
+        need = self.core.children[action.child].need
+        if not self.ledger.take_exact(list(action.devices), need, self._token(action.child)):
+            self._queued.append(ev.Denied(time.monotonic(), action.child))
+            self._poll_peers(force=True)
+            return False
+        self.claims[action.child] = action.devices
+        return True
+
+    def _release_forgotten(self) -> None:
+        """Give back the ledger claims of children the dispatcher has forgotten."""
+        if self.ledger is None:
+            return
+        for cid, devices in list(self.claims.items()):
+            child = self.core.children.get(cid)
+            if child is None or child.state is Life.GONE:
+                del self.claims[cid]
+                self.ledger.give_back(list(devices), self._token(cid))
 
     def _take_queued(self) -> list[ev.Event]:
         batch, self._queued = self._queued, []
@@ -213,7 +266,12 @@ class Driver(Scheduler):
         if self.limit == 1:
             job.replay.start()  # one at a time: its line shows while it runs, as in-process
         self.pending.append(item.nodeid)
-        self._feed(ev.Submit(time.monotonic(), self._test(item, plan)))
+        now = time.monotonic()
+        told: list[ev.Event] = []
+        if self.told_next:
+            after = nextitem.nodeid if nextitem is not None else ""
+            told.append(ev.Next(now, (after,) if after in self.items else ()))
+        self._feed(*told, ev.Submit(now, self._test(item, plan)))
         with self._waiting():
             while not self.core.placed(item.nodeid):
                 self.loop_once(self._redraw())
@@ -260,6 +318,10 @@ class Driver(Scheduler):
         self.early.waiting = []
         self.units = {}
         super().kill_all()
+        if self.ledger is not None:
+            for cid, devices in self.claims.items():
+                self.ledger.give_back(list(devices), self._token(cid))
+            self.claims = {}
 
     def _alive(self) -> bool:
         return bool(self.jobs or self.endings or self.graveyard or self.units)
@@ -445,6 +507,8 @@ class Driver(Scheduler):
             self.jobs.append(job)
 
     def _start(self, action: ev.Start) -> None:
+        if not self._claim(action):
+            return  # another worker has its devices: nothing was started
         unit = self.units[action.child] = Unit(action.child, action.kind, action.devices)
         if action.kind is Kind.EARLY:
             path, plan = self.expected[action.key]

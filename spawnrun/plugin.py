@@ -148,10 +148,7 @@ def pytest_configure(config: pytest.Config) -> None:
         holder = config.stash[_starting.ZYGOTE_KEY] = _forkserver.ZygoteHolder(
             list(settings.preload)
         )
-    # The dispatcher drives every run but an xdist worker's (whose devices the ledger
-    # shares): that one is still the old scheduler's, until the ledger is an event too.
-    kind = _scheduler.Scheduler if _xdist_worker() else _drive.Driver
-    scheduler = config.stash[SCHEDULER_KEY] = kind(
+    scheduler = config.stash[SCHEDULER_KEY] = _drive.Driver(
         _devices.allocator_for(inventory.ids, ledger, capacity, per_gpu),
         limit,
         settings.settle,
@@ -160,8 +157,8 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if _boots_early(config, settings):
         scheduler.early = _early.Early(lookahead)
-    if isinstance(scheduler, _drive.Driver):
-        scheduler.config = config
+    scheduler.config = config
+    scheduler.told_next = _xdist_worker()
     scheduler.status = _status.Status(config, several=limit > 1)
     scheduler.poison = _poison.patterns(settings.poison)
     scheduler.replace_above = settings.scope_memory

@@ -246,3 +246,45 @@ def test_status_line_is_drawn_after_the_cursor_and_erased_exactly():
     assert tw.width_of_current_line == len("test_a.py ..")  # pytest's line is untouched
     status.update(running)  # not waiting: nothing drawn
     assert buffer.getvalue().endswith("\b" * n)
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        [],
+        ["--spawn-gpu-memory", "8GiB", "--spawn-scope", "module"],
+    ],
+    ids=["alone", "budgets-module-scope"],
+)
+def test_xdist_workers_never_share_a_device_they_did_not_agree_on(pytester, mode):
+    """Two workers, one GPU: each worker's dispatcher sees the other's claims only through
+    the ledger; its start is denied when the other got there first, never doubled."""
+    for name in ("a", "b"):
+        pytester.makepyfile(
+            **{
+                f"test_{name}": f"""
+                import json, os, time
+                import pytest
+
+                @pytest.mark.gpu{'(memory="5GiB")' if mode else ""}
+                @pytest.mark.parametrize("i", range(4))
+                def test_hold(i):
+                    start = time.time()
+                    time.sleep(0.3)
+                    with open(f"rec-{name}{{i}}.json", "w") as f:
+                        row = {{"start": start, "end": time.time(), "pid": os.getpid()}}
+                        json.dump(row, f)
+                """
+            }
+        )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-n", "2", "--spawn-gpus", "1", *mode, timeout=120
+    )
+    result.assert_outcomes(passed=8)
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    recs = [json.loads(p.read_text()) for p in pytester.path.glob("rec-*.json")]
+    assert len(recs) == 8
+    # Alone: never two at once. 5 GiB budgets on an 8 GiB device (1 GiB reserve each):
+    # one at a time too, though two modules' children may each be alive.
+    for a, b in itertools.combinations(recs, 2):
+        assert not (a["start"] < b["end"] and b["start"] < a["end"]), (a, b)
