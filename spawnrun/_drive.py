@@ -52,9 +52,8 @@ from spawnrun._ending import Stage
 from spawnrun._jobs import LISTENING
 from spawnrun._jobs import Job
 from spawnrun._jobs import State
-from spawnrun._scheduler import STOPPED
-from spawnrun._scheduler import Scheduler
-from spawnrun._scheduler import Upcoming
+from spawnrun._loop import Loop
+from spawnrun._reports import STOPPED
 from spawnrun.dispatch import Dispatcher
 from spawnrun.dispatch import events as ev
 from spawnrun.dispatch.events import Kind
@@ -91,8 +90,8 @@ class Unit:
     refused: bool = False
 
 
-class Driver(Scheduler):
-    """The run's spawned tests, through the dispatcher (same surface as ``Scheduler``)."""
+class Driver(Loop):
+    """The run's spawned tests, through the dispatcher."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -256,7 +255,6 @@ class Driver(Scheduler):
         item: pytest.Item,
         nextitem: pytest.Item | None,
         plan: _packing.Plan,
-        upcoming: Upcoming = (),
     ) -> None:
         parent_error = _replay.parent_teardown(item, nextitem)
         self.items.setdefault(item.nodeid, (item, plan))
@@ -276,8 +274,16 @@ class Driver(Scheduler):
             while not self.core.placed(item.nodeid):
                 self.loop_once(self._redraw())
 
-    def prefetch(self, upcoming: Upcoming) -> None:
-        pass  # the dispatcher boots ahead from the suite it was told
+    def reached(self, nextitem: pytest.Item | None) -> None:
+        """pytest ran a test in-process: children that ended meanwhile are told, and an
+        xdist worker tells what comes next (its own order), to boot it ahead."""
+        if self.told_next:
+            after = nextitem.nodeid if nextitem is not None else ""
+            self._feed(ev.Next(time.monotonic(), (after,) if after in self.items else ()))
+        self.loop_once(0)
+
+    def _scope_tests(self, scope: str) -> list[str]:
+        return [nodeid for nodeid, (_, plan) in self.items.items() if plan.scope == scope]
 
     def last(self) -> None:
         self._feed(ev.Last(time.monotonic()))

@@ -195,3 +195,9 @@ NOT_A_TEMPLATE = (
     "each test collected its file in a child of its own"
 )
 REPLACED_TITLE = "spawnrun: child replaced"
+
+
+#: A running test's report when the session stopped under it.
+STOPPED = (
+    "spawnrun: stopped while running, because the session stopped (-x, --maxfail or an interrupt)"
+)

@@ -2,12 +2,11 @@
 
 Runs in the parent (and, inert, in every child: there it only registers the marker
 and options so the child's configuration matches the parent's). Wiring only; process
-code lives in ``_runner``, ``_jobs`` and ``_scheduler``.
+code lives in ``_runner``, ``_jobs``, ``_loop`` and ``_drive``; decisions in ``dispatch``.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import faulthandler
 import os
@@ -36,14 +35,13 @@ from spawnrun import _poison
 from spawnrun import _probe
 from spawnrun import _reports
 from spawnrun import _runner
-from spawnrun import _scheduler
 from spawnrun import _settings
 from spawnrun import _starting
 from spawnrun import _status
 
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
 INVENTORY_KEY = pytest.StashKey[_inventory.Inventory]()
-SCHEDULER_KEY = pytest.StashKey[_scheduler.Scheduler]()
+SCHEDULER_KEY = pytest.StashKey[_drive.Driver]()
 #: Per item: the validated marker arguments, whether it spawns, and what it needs.
 ITEM_KEY = pytest.StashKey[dict[str, Any]]()
 SPAWNS_KEY = pytest.StashKey[bool]()
@@ -54,12 +52,8 @@ CAPACITY_KEY = pytest.StashKey[dict[str, "int | None"]]()
 PEAKS_KEY = pytest.StashKey[dict[str, int]]()
 #: Where learned peaks live in pytest's cache.
 CACHE_PEAKS = "spawnrun/peaks"
-#: Node id -> position in session.items, to find the tests after the current one.
-INDEX_KEY = pytest.StashKey[dict[str, int]]()
 #: The files whose tests earlier runs spawned (``_early.remembered``), read once.
 REMEMBERED_KEY = pytest.StashKey[dict[str, "_early.Guess"]]()
-#: The tests that start a child, by position, as of how many templates were refused.
-STARTERS_KEY = pytest.StashKey[tuple[int, list[tuple[int, pytest.Item]]]]()
 #: Whether the run was told that /proc is missing (once).
 NO_PROC_KEY = pytest.StashKey[bool]()
 
@@ -321,18 +315,7 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     if marked and count > len(ids):
         return  # such tests are skipped here (a machine without GPUs, say)
     plan = _plan_from(marked, count, settings, {}, ids, capacity, None, None)
-    if isinstance(scheduler, _drive.Driver):
-        scheduler.expect(str(path), plan)  # the dispatcher decides whether, and where
-        return
-    devices = []
-    if count and not plan.every:
-        devices = _devices.least_loaded(ids, scheduler.early.load(), count)
-    env = _starting.child_env(config, plan, devices, capacity)
-    try:
-        child = _starting.start_early(config, str(path), env)
-    except Exception:  # noqa: BLE001 - its first test starts a child of its own, as before
-        return
-    scheduler.early.add(_early.EarlyChild(str(path), child, devices, env))
+    scheduler.expect(str(path), plan)  # the dispatcher decides whether, and where
 
 
 @pytest.hookimpl
@@ -344,8 +327,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             if item.path not in spawned and _spawns(item):  # the file's first spawned test
                 plan = _plan_of(item)
                 spawned[item.path] = (not plan.every, plan.count)
-        if not isinstance(scheduler, _drive.Driver):
-            scheduler.collected({str(p) for p in spawned})
         settings = session.config.stash[SETTINGS_KEY]
         in_process = settings.no_spawn or settings.forced_inprocess
         # Not from a worker (it writes no cache; the controller collects none), nor
@@ -356,7 +337,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         holder.collected()  # preload in the template what collection imported
-    if isinstance(scheduler, _drive.Driver):
+    if scheduler is not None:
         # Once the zygote forks what collection imported: children may boot ahead now.
         scheduler.suite([(it, _plan_of(it)) for it in session.items if _spawns(it)])
 
@@ -418,7 +399,6 @@ def _scopes(
         shared = _scope_plan(key, tests)
         for item in tests:
             item.stash[PLAN_KEY] = replace(shared, timeout=item.stash[PLAN_KEY].timeout)
-    config.stash[SCHEDULER_KEY].members = {k: [t.nodeid for t in v] for k, v in members.items()}
     groups = {k: v for k, v in members.items() if k.startswith("group ")}
     if not groups:
         return items
@@ -701,8 +681,7 @@ def _runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool |
     if scheduler is None:
         return None
     if not _spawns(item):
-        scheduler.loop_once(0)  # replay children that ended meanwhile
-        scheduler.prefetch(_upcoming(item, nextitem, scheduler))
+        scheduler.reached(nextitem)  # replay children that ended meanwhile
         return None
     if not config.stash.get(NO_PROC_KEY, False) and not _probe.proc_mounted():
         config.stash[NO_PROC_KEY] = True
@@ -711,7 +690,7 @@ def _runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool |
     # gets the same setting, dumps the test's stacks instead.
     faulthandler.cancel_dump_traceback_later()
     _cudawatch.check(config)
-    scheduler.submit(item, nextitem, _plan_of(item), _upcoming(item, nextitem, scheduler))
+    scheduler.submit(item, nextitem, _plan_of(item))
     if scheduler.limit == 1:
         # One at a time: the test's reports arrive inside its own protocol, as
         # pytest-xdist's workers require and as plain pytest would do.
@@ -729,56 +708,6 @@ def _plan_of(item: pytest.Item) -> _packing.Plan:
         plan = _plan(item, settings, overrides, ids, config.stash[CAPACITY_KEY], {})
         item.stash[PLAN_KEY] = plan
     return plan
-
-
-def _upcoming(
-    item: pytest.Item, nextitem: pytest.Item | None, scheduler: _scheduler.Scheduler
-) -> list[tuple[pytest.Item, _packing.Plan]]:
-    """The next tests after ``item`` that start a child, with their plans: to boot ahead.
-
-    A scope's later tests run in its first test's child: they are passed over, so the
-    next scope's child boots while a long scope still runs, not at its last test.
-    """
-    if not scheduler.lookahead or nextitem is None or isinstance(scheduler, _drive.Driver):
-        return []  # the dispatcher boots ahead from the suite
-    session = item.session
-    if _xdist_worker():
-        # A worker's order is the controller's to decide: only nextitem is known.
-        candidates = [nextitem] if _spawns(nextitem) else []
-    else:
-        known = session.config.stash.get(STARTERS_KEY, None)
-        if known is None or known[0] != len(scheduler.refusals):
-            known = session.config.stash[STARTERS_KEY] = (
-                len(scheduler.refusals),
-                _starters(session, scheduler),
-            )
-        starters = known[1]
-        at = bisect.bisect_left(starters, _index(session, nextitem), key=lambda s: s[0])
-        candidates = [it for _, it in starters[at : at + scheduler.lookahead]]
-    return [(it, _plan_of(it)) for it in candidates]
-
-
-def _index(session: pytest.Session, item: pytest.Item) -> int:
-    index = session.config.stash.get(INDEX_KEY, None)
-    if index is None:
-        index = {it.nodeid: i for i, it in enumerate(session.items)}
-        session.config.stash[INDEX_KEY] = index
-    return index.get(item.nodeid, len(session.items))
-
-
-def _starters(
-    session: pytest.Session, scheduler: _scheduler.Scheduler
-) -> list[tuple[int, pytest.Item]]:
-    """The spawned tests that start a child (alone, or first of a scope), by position."""
-    found = []
-    for i, it in enumerate(session.items):
-        if not _spawns(it):
-            continue
-        scope = _plan_of(it).scope
-        first = scheduler.members.get(scope, [it.nodeid])[0]
-        if not scope or scope in scheduler.refusals or first == it.nodeid:
-            found.append((i, it))
-    return found
 
 
 class _AfterEachTest:

@@ -20,6 +20,7 @@ from sim.world import Spec
 from sim.world import World
 
 from spawnrun.dispatch import events as ev
+from spawnrun.dispatch.state import PEER
 
 GiB = 1 << 30
 FATE_WEIGHTS = ["pass"] * 8 + ["fail"] * 2 + list(FATES)
@@ -131,6 +132,9 @@ def test_every_test_ends_once_and_nothing_is_stuck(world: World) -> None:
         assert len(submitted) == len(world.specs)
         assert "drop" not in {how for hows in result.ends.values() for how in hows}
     assert result.time <= _serial_bound(world)
+    # A claim always has a holder: once every child is gone, only peers' claims remain.
+    pool = result.dispatcher.pool
+    assert {c.token for d in pool.ids for c in pool.held(d)} <= {PEER}
 
 
 @SETTINGS

@@ -251,26 +251,6 @@ def test_plain_pytest_gives_the_outcomes_asserted_above(pytester, monkeypatch):
 # The driver's last resort: a claim nothing holds ----------------------------------
 
 
-def test_a_claim_without_holder_is_freed_once_nothing_runs():
-    """A claim left by a bug would keep every later test on its device waiting."""
-    import os
-
-    from spawnrun import _devices
-    from spawnrun._scheduler import Scheduler
-
-    allocator = _devices.Allocator(("0", "1"), {}, 1)
-    scheduler = Scheduler(allocator, limit=2, settle=None)
-    assert allocator.take(1, None, f"{os.getpid()}:999") == ["0"]
-    assert allocator.take(1, None, "1:1") == ["1"]  # another worker's (pid 1)
-    assert not scheduler._nothing_can_move()  # the other worker will give its back
-    allocator.give_back(["1"], "1:1")
-    assert scheduler._nothing_can_move()
-    assert scheduler._reclaim_leaks()
-    assert allocator.free() == ["0", "1"]
-    assert scheduler.leaks == 1
-    assert not scheduler._reclaim_leaks()
-
-
 def test_a_test_nothing_can_start_fails_saying_why_instead_of_waiting(pytester):
     """The last resort end to end: devices that never come (a stand-in bug) fail the
     test with the reason, and the run goes on."""

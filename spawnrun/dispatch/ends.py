@@ -23,6 +23,11 @@ from spawnrun.dispatch.units import Child
 from spawnrun.dispatch.units import State
 
 
+#: States a denied child may be in already: the dispatcher dismissed or killed it in the
+#: step that started it, before the driver's ledger said no.
+_UNBORN = (State.EXITING, State.KILLED)
+
+
 class Ends(Run):
     def _child_event(self, event: ev.Event) -> None:
         child = self.children.get(getattr(event, "child", -1))
@@ -39,7 +44,7 @@ class Ends(Run):
             if child.state is not State.SETTLING:
                 child.move(State.SETTLING, self.now)
             self.settled(child)
-        elif isinstance(event, ev.Denied) and child.state is State.STARTING:
+        elif isinstance(event, ev.Denied) and child.state in (State.STARTING, *_UNBORN):
             self._denied(child)
         elif isinstance(event, ev.Refused) and child.kind is Kind.TEMPLATE:
             self.refused[child.key] = event.why

@@ -43,7 +43,8 @@ ALLOWED: dict[State, frozenset[State]] = {
     S.READY: frozenset({S.RUNNING, S.EXITING, S.KILLED, S.SETTLING}),
     S.RUNNING: frozenset({S.BETWEEN, S.EXITING, S.KILLED, S.SETTLING}),
     S.BETWEEN: frozenset({S.RUNNING, S.EXITING, S.KILLED, S.SETTLING}),
-    S.EXITING: frozenset({S.KILLED, S.SETTLING}),
+    # EXITING -> GONE: dismissed before its process existed (the ledger denied it).
+    S.EXITING: frozenset({S.KILLED, S.SETTLING, S.GONE}),
     S.KILLED: frozenset({S.SETTLING, S.GONE}),
     S.SETTLING: frozenset({S.GONE}),
     S.GONE: frozenset(),

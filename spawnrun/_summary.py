@@ -1,0 +1,148 @@
+"""The run summary: what the run's children did, counted as their tests end.
+
+Runs in the parent. ``Summary`` keeps the counts (tests isolated, children, forks,
+crashes, timeouts, reaped processes, peaks, packing) and words the summary's lines.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from spawnrun import _early
+from spawnrun import _packing
+from spawnrun._jobs import Job
+from spawnrun._reports import NOT_A_TEMPLATE
+from spawnrun._reports import REPLACED_TITLE
+
+
+class Summary:
+    #: Set by the loop: children started while collecting, templates refused (scope ->
+    #: why), and the scope of each spawned test (for the refused templates' files).
+    early: _early.Early
+    refusals: dict[str, str]
+
+    def __init__(self) -> None:
+        self.boot_times: list[float] = []
+        self.isolated = 0
+        self.children = 0
+        self.crashes = 0
+        self.timeouts = 0
+        self.reaped = 0
+        self.peaks: list[tuple[int, str, list[str]]] = []
+        #: Tests on devices: how many shared one, had a budget but ran alone, or ran
+        #: alone (node ids by reason).
+        self.shared = 0
+        self.budget_alone = 0
+        self.alone: dict[str, list[str]] = {}
+        #: Scope children replaced after a test said the process is broken.
+        self.replaced = 0
+        #: The pids of templates that forked, and how many tests ran in their forks.
+        self.templates: set[int] = set()
+        self.forks = 0
+
+    def _scope_tests(self, scope: str) -> list[str]:
+        """The spawned tests of ``scope`` (the driver knows them)."""
+        return []
+
+    def _count(self, job: Job) -> None:
+        self.children += job.children_started
+        if job.template_pid and job.went:
+            self.forks += 1
+            self.templates.add(job.template_pid)
+        if job.turned:
+            self._count_test(job)
+        # Else booted ahead: for a test that did not run (-x, an interrupt), or one whose
+        # turn is still to come (its child died meanwhile): counted at its turn.
+
+    def _count_test(self, job: Job) -> None:
+        self.isolated += 1
+        self.replaced += bool(job.replaced)
+        self.crashes += job.crashes
+        self.timeouts += job.timeouts
+        self.reaped += job.reaped_count
+        if job.claimed:
+            if job.shared:
+                self.shared += 1
+            elif job.plan.need is not _packing.ALONE:
+                self.budget_alone += 1
+            else:
+                self.alone.setdefault(job.plan.alone_because, []).append(job.item.nodeid)
+        if job.peak_device_bytes is not None:
+            self.peaks.append((job.peak_device_bytes, job.item.nodeid, job.devices))
+
+    def _packing_lines(self, list_alone: bool, shown: int = 10) -> list[str]:
+        """Which tests shared a device and which ran alone, and why."""
+        if not (self.shared or self.budget_alone) and not list_alone:
+            return []
+        alone = sum(len(ids) for ids in self.alone.values())
+        parts = [f"{self.shared} shared a GPU within their budgets"]
+        if self.budget_alone:
+            parts.append(f"{self.budget_alone} with a budget found no neighbour")
+        reasons = ", ".join(f"{why}: {len(ids)}" for why, ids in sorted(self.alone.items()))
+        if alone:
+            parts.append(f"{alone} ran alone ({reasons})")
+        lines = ["packing: " + "; ".join(parts)]
+        if list_alone:
+            for why, ids in sorted(self.alone.items()):
+                more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+                lines.append(f"  alone, {why}: {', '.join(ids[:shown])}{more}")
+        return lines
+
+    def summary(self, peaks_shown: int = 10, list_alone: bool = False) -> list[str]:
+        """The run summary's lines ([] when nothing was spawned)."""
+        if not self.isolated:
+            return []
+        first = f"{_plural(self.isolated, 'test')} isolated in "
+        # A template runs no test: its forks are the children that did.
+        first += _plural(self.children - len(self.templates) + self.forks, "child", "children")
+        if self.forks:
+            first += (
+                f" ({self.forks} forked from {_plural(len(self.templates), 'template')} "
+                "that collected their file)"
+            )
+        if self.boot_times:
+            times = sorted(self.boot_times)
+            first += f"; boot median {statistics.median(times):.2f}s, slowest {times[-1]:.2f}s"
+        lines = [first]
+        if self.early.started:
+            started = _plural(self.early.started, "child", "children")
+            lines.append(f"{started} started while collecting ({self.early.taken} used)")
+        ends = []
+        if self.replaced:
+            were = "child was" if self.replaced == 1 else "children were"
+            ends.append(f"{self.replaced} scope {were} replaced after a test ({REPLACED_TITLE})")
+        if self.crashes:
+            ends.append(f"{self.crashes} crashed")
+        if self.timeouts:
+            ends.append(f"{self.timeouts} timed out")
+        if self.reaped:
+            were = "was" if self.reaped == 1 else "were"
+            ends.append(f"{_plural(self.reaped, 'process', 'processes')} left behind {were} reaped")
+        if ends:
+            lines.append(", ".join(ends))
+        for scope, why in sorted(self.refusals.items()):
+            if not why:
+                continue  # the forkserver went off: its warning says why
+            where = _template_files(self._scope_tests(scope))
+            lines.append(f"{where}: {NOT_A_TEMPLATE}: {why}")
+        lines += self._packing_lines(list_alone)
+        if self.peaks:
+            lines.append("peak GPU memory per test (torch's caching allocator, reserved):")
+            ranked = sorted(self.peaks, key=lambda p: (-p[0], p[1]))
+            for size, nodeid, devices in ranked[:peaks_shown]:
+                where = f"  [gpu {','.join(devices)}]" if devices else ""
+                lines.append(f"  {size / 2**20:.1f} MiB  {nodeid}{where}")
+            if len(ranked) > peaks_shown:
+                lines.append(f"  ... and {len(ranked) - peaks_shown} more (junitxml has all)")
+        return lines
+
+
+def _template_files(nodeids: list[str]) -> str:
+    """The files a template collected, for the summary ("test_a.py and 2 more files")."""
+    files = list(dict.fromkeys(n.split("::")[0] for n in nodeids)) or ["?"]
+    more = len(files) - 1
+    return files[0] + (f" and {_plural(more, 'more file')}" if more else "")
+
+
+def _plural(n: int, one: str, many: str = "") -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
