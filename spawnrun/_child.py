@@ -12,7 +12,6 @@ The child's devices (``CUDA_VISIBLE_DEVICES``) are in its environment from its s
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
 import faulthandler
@@ -20,12 +19,9 @@ import gc
 import io
 import os
 import pickle
-import signal
 import sys
-import threading
 import time
 import traceback
-import weakref
 from multiprocessing.connection import Connection
 from typing import IO
 from typing import Any
@@ -36,16 +32,18 @@ import pytest
 from spawnrun import _budget
 from spawnrun import _bytecode
 from spawnrun import _coverage
+from spawnrun import _forksafe
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
+from spawnrun._leave import DUMP_SIGNAL
+from spawnrun._leave import leave
 
 #: True in a process whose pytest session was started by ``main``: the plugin then
 #: leaves running tests to pytest instead of spawning again.
 ACTIVE = False
 
 #: Signal the parent sends to ask for the stacks of all threads before a kill.
-DUMP_SIGNAL = signal.SIGUSR1
 
 #: Plugins that run each test in a fork of the process (pytest-forked, and a local copy
 #: loaded as ``-p forked``): gone from the child before any test runs.
@@ -99,37 +97,6 @@ def main(
             relay.notes.append("error in the child after the test:\n" + traceback.format_exc())
     relay.finish()
     leave(0)
-
-
-def leave(code: int) -> NoReturn:
-    """End the process: the exit work that matters runs, the slow interpreter teardown not.
-
-    After "done" nothing the test can see is left to do, but its exit work still is:
-    executors shut down and non-daemon threads are joined (``threading``'s exit hook),
-    ``atexit`` handlers run (multiprocessing's finalizers, which unlink semaphores and
-    join child processes; coverage's save where the user's configuration started it),
-    and a coverage measurement started for the child (``_coverage``) is saved. Module
-    teardown and the final garbage collection are skipped (``os._exit``): with torch
-    loaded they cost ~0.3 s per child.
-    A child stuck here (a leaked thread that never ends) is the parent's to end, off the
-    critical path. Forked children leave this way too, never through the template's code.
-    """
-    try:
-        # threading offers no public "run the exit hooks"; this is what the interpreter
-        # itself calls at shutdown, before atexit.
-        threading._shutdown()  # type: ignore[attr-defined]
-        # Before atexit: coverage's own exit handler closes the data files.
-        _coverage.save()
-        _skip_library_finalizers()
-        atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001 - nothing may keep the process alive
-        code = code or 70
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream has nothing left to flush
-            pass
-    os._exit(code)
 
 
 def isolate(spec: proto.ChildSpec, conn: Connection, parent: int | None = None) -> _Relay:
@@ -670,30 +637,9 @@ class _Relay:
         return "\n".join(lines)
 
 
-def _skip_library_finalizers() -> None:
-    """Leave out, at exit, the finalizers of torch's operator libraries.
-
-    torch keeps an operator library (``torch.library.Library``) for each module that
-    registers kernels, with a finalizer that unregisters them from the dispatcher at
-    exit: ~40 ms per child with torch imported, for a dispatcher that ends with the
-    process. Other finalizers (a ``TemporaryDirectory``'s cleanup, say) still run.
-    ``weakref.finalize`` has no public registry of its live finalizers.
-    """
-    library = sys.modules.get("torch.library")
-    drop = getattr(library, "_del_library", None)
-    registry = getattr(weakref.finalize, "_registry", None)
-    if drop is None or not isinstance(registry, dict):
-        return
-    for finalizer, info in list(registry.items()):
-        if getattr(info, "func", None) is drop:
-            finalizer.atexit = False
-
-
 def _zygote_refusal() -> str:
     """Why this process may not fork its tests ("" if it may): the template's own rules."""
-    from spawnrun import _zygote  # the template's module imports this one
-
-    return _zygote.unsafe_state()
+    return _forksafe.unsafe_state()
 
 
 def _peaks() -> tuple[int | None, int | None]:

@@ -185,17 +185,6 @@ def _is_device_id(text: str) -> bool:
 # Allocation --------------------------------------------------------------------------
 
 
-def least_loaded(ids: tuple[str, ...], load: Mapping[str, int], count: int) -> list[str]:
-    """The ``count`` devices with the fewest tests running or planned, in inventory order.
-
-    Used to plan a child booted ahead: its devices are fixed when it starts, so it goes
-    where the queue is shortest; ties go to the lower index.
-    """
-    order = {d: i for i, d in enumerate(ids)}
-    chosen = sorted(ids, key=lambda d: (load.get(d, 0), order[d]))[:count]
-    return sorted(chosen, key=order.__getitem__)
-
-
 class Allocator:
     """Which tests hold which devices right now, in one process (``_packing`` decides).
 

@@ -71,21 +71,6 @@ class Early:
         self.waiting.append(early)
         self.started += 1
 
-    def load(self) -> dict[str, int]:
-        """Early children per device (to spread the next one's guess)."""
-        load: dict[str, int] = {}
-        for early in self.waiting:
-            for device in early.devices:
-                load[device] = load.get(device, 0) + 1
-        return load
-
-    def devices_for(self, args: list[str], count: int) -> list[str] | None:
-        """The devices of the child started early for ``args`` (to plan a test on)."""
-        for early in self.waiting:
-            if [early.path] == args and len(early.devices) == count and not early.child.gone:
-                return list(early.devices)
-        return None
-
     def take(
         self, args: list[str], env: Mapping[str, str]
     ) -> tuple[EarlyChild | None, list[_runner.ChildProcess]]:
@@ -104,13 +89,6 @@ class Early:
                 return early, dismissed
             dismissed.append(_dismiss(early))
         return None, dismissed
-
-    def keep_only(self, paths: set[str]) -> list[_runner.ChildProcess]:
-        """Collection is over: dismiss the children of files without a spawned test."""
-        self.open = False
-        dismissed = [_dismiss(e) for e in self.waiting if e.path not in paths]
-        self.waiting = [e for e in self.waiting if e.path in paths]
-        return dismissed
 
     def close(self) -> list[_runner.ChildProcess]:
         """The session ends: every child still waiting is dismissed."""

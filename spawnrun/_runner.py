@@ -26,7 +26,7 @@ import pytest
 
 from spawnrun import CHILD_ENV
 from spawnrun import _bytecode
-from spawnrun import _child
+from spawnrun import _leave
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
 
@@ -497,7 +497,7 @@ class ChildProcess:
         """
         if self.gone:
             return []
-        signal_pids([self.pid], _child.DUMP_SIGNAL)
+        signal_pids([self.pid], _leave.DUMP_SIGNAL)
         directory = _stackhook.stacks_dir(os.path.dirname(self.spec.stacks_path))
         below = []
         for pid, ppid in process_tree(self.pid):

@@ -27,7 +27,7 @@ from typing import NoReturn
 
 import pytest
 
-from spawnrun import _child
+from spawnrun import _leave
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 
@@ -69,14 +69,14 @@ def _fork_test(relay: Any, item: Any, more: bool, serial: int) -> None:
     os.close(told)
     # A timeout's stack dump is asked of this process: the test's is the fork's.
     # (faulthandler reinstalls its handler only when it was unregistered first.)
-    faulthandler.unregister(_child.DUMP_SIGNAL)
-    signal.signal(_child.DUMP_SIGNAL, lambda *_: _signal_quietly(pid, _child.DUMP_SIGNAL))
+    faulthandler.unregister(_leave.DUMP_SIGNAL)
+    signal.signal(_leave.DUMP_SIGNAL, lambda *_: _signal_quietly(pid, _leave.DUMP_SIGNAL))
     try:
         status, done, killed = _wait_for(pid, said_done)
     finally:
         os.close(said_done)
-    signal.signal(_child.DUMP_SIGNAL, signal.SIG_DFL)
-    faulthandler.register(_child.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
+    signal.signal(_leave.DUMP_SIGNAL, signal.SIG_DFL)
+    faulthandler.register(_leave.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
     code = os.waitstatus_to_exitcode(status)
     if done and more:
         # Its test is over and reported: how its process ended is a warning on that
@@ -149,14 +149,14 @@ def _forked(relay: Any, item: Any, more: bool, serial: int, template: int, told:
         _probe.die_with_parent(template)
         # Its stacks are the test's: where the template's would go (it forwards the
         # parent's request), not among the processes below the test.
-        faulthandler.register(_child.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
+        faulthandler.register(_leave.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
         relay.send(proto.ForkedTest(os.getpid()))
         _own_basetemp(item.config, serial)
         relay.current = item.nodeid
         try:
             relay._run(item, None)
         except (KeyboardInterrupt, pytest.exit.Exception):
-            _child.leave(0)  # told (Interrupted, Done): the parent ends the session
+            _leave.leave(0)  # told (Interrupted, Done): the parent ends the session
         if more:
             relay._done_for_now()
             with contextlib.suppress(OSError):
@@ -165,8 +165,8 @@ def _forked(relay: Any, item: Any, more: bool, serial: int, template: int, told:
             relay.finish()
     except BaseException:  # noqa: BLE001 - the template ends with it: a crash report
         traceback.print_exc()
-        _child.leave(70)
-    _child.leave(0)
+        _leave.leave(70)
+    _leave.leave(0)
 
 
 def _own_basetemp(config: Any, serial: int) -> None:

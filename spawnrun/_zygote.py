@@ -26,7 +26,6 @@ import os
 import sys
 import traceback
 import types
-import warnings
 from collections.abc import Iterator
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -38,6 +37,7 @@ import pytest
 from spawnrun import _child
 from spawnrun import _probe
 from spawnrun import _protocol as proto
+from spawnrun._forksafe import unsafe_state
 
 
 def main(spec: proto.ZygoteSpec, conn: Connection) -> None:
@@ -112,62 +112,6 @@ def _rewrite_hook(rewrite: proto.Rewrite) -> Any:
 
 def _no_trace(*args: object) -> None:
     pass
-
-
-def unsafe_state() -> str:
-    """Why forking this process now would be unsafe ("" if it is safe)."""
-    if not _probe.proc_mounted():
-        return _probe.NO_PROC  # what cannot be checked is not safe
-    runtime = _probe.device_runtime()
-    if runtime:
-        return runtime
-    threads = _probe.other_threads()
-    if threads:
-        # Libraries that handle fork themselves stop their pools when the process
-        # forks (OpenBLAS, which numpy loads, starts one per core at import and parks
-        # it in a pthread_atfork handler): let them, with a fork that does nothing.
-        # What survives it would hang or deadlock a forked child.
-        _quiesce()
-        threads = _probe.other_threads()
-        for name in _probe.waiting_for_connections():
-            if name in threads:
-                threads.remove(name)
-    if threads:
-        return (
-            f"{len(threads)} other thread(s) run in it ({', '.join(sorted(set(threads)))}); "
-            "a forked child would inherit their locks but not them (OpenMP and MKL pools "
-            "then hang)"
-        )
-    return _plugin_state()
-
-
-def _quiesce() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # 3.12+: "process is multi-threaded, use of fork()"
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-    os.waitpid(pid, 0)
-
-
-def _plugin_state() -> str:
-    """Ask the ``pytest_spawnrun_device_state`` hooks of the modules imported here.
-
-    The template has no pytest configuration, so implementations in loaded plugin or
-    preloaded modules are called directly, with ``config=None``.
-    """
-    for module in list(sys.modules.values()):
-        # vars(), not getattr(): a lazy module's __getattr__ could import things.
-        hook = getattr(module, "__dict__", {}).get("pytest_spawnrun_device_state")
-        if not callable(hook) or getattr(module, "__name__", "") == "spawnrun.hookspecs":
-            continue
-        try:
-            answer = hook(config=None)
-        except Exception as exc:  # noqa: BLE001 - a broken hook: assume the worst
-            return f"{module.__name__}.pytest_spawnrun_device_state raised {exc!r}"
-        if answer:
-            return str(answer)
-    return ""
 
 
 class _Template:

@@ -2,7 +2,8 @@
 # in one directory (the first run records the peaks that --spawn-pack auto learns from):
 # case 1 (budgets, exclusive tests, bare tests with learned budgets, one more exclusive)
 # in fast mode and in the default mode; two modules pytest interleaves under
-# --spawn-scope module; a fork that leaves a thread. Every pytest is capped at CAP
+# --spawn-scope module; a fork that leaves a thread; case 1 under pytest-xdist (-n 4).
+# Every pytest is capped at CAP
 # seconds (a hang shows as "rc=124"). Output: $OUT/hangs.txt.
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
   && export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 || exit 1
@@ -103,6 +104,9 @@ run case1-fast-auto-1 "$root/case1" --spawn-method forkserver --spawn-pack auto
 run case1-fast-auto-2 "$root/case1" --spawn-method forkserver --spawn-pack auto
 run case1-fast-auto-3 "$root/case1" --spawn-method forkserver --spawn-pack auto
 run case1-default-auto-2 "$root/case1" --spawn-pack auto
+# xdist workers share the GPU through the ledger (Peers, Denied): one H200, four workers.
+run case1-xdist4-auto "$root/case1" -n 4 --spawn-pack auto
+run case1-xdist4-fast-auto "$root/case1" -n 4 --spawn-method forkserver --spawn-pack auto
 run scopes-interleaved "$root/scopes" -p no:cacheprovider --spawn-scope module
 run scopes-interleaved-fast "$root/scopes" -p no:cacheprovider --spawn-scope module --spawn-method forkserver
 run thread-fast "$root/thread" -p no:cacheprovider --spawn-method forkserver --spawn-jobs 1 -rw

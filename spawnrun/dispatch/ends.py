@@ -22,7 +22,6 @@ from spawnrun.dispatch.units import IDLE
 from spawnrun.dispatch.units import Child
 from spawnrun.dispatch.units import State
 
-
 #: States a denied child may be in already: the dispatcher dismissed or killed it in the
 #: step that started it, before the driver's ledger said no.
 _UNBORN = (State.EXITING, State.KILLED)
