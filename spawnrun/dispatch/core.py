@@ -14,8 +14,9 @@ Policy, in full:
   the per-device cap, a test alone on its devices nobody else holds.
 * **No hold and wait.** An idle child (booted ahead, started early, a scope's child
   between tests) never keeps the head from its devices: when dismissing idle holders
-  lets the head fit, they are dismissed. Booting ahead happens only while no test is
-  blocked.
+  lets the head fit, they are dismissed. Booting ahead happens while no test is blocked,
+  or while every slot is taken (a slot frees by itself): then the tests waiting for a
+  slot boot first.
 * **A scope's child runs its members in order.** A test that is not its child's next
   member gets a child of its own (the old one is dismissed once idle).
 * **Nothing waits without a wake-up.** After each batch of events, if the head waits and
@@ -125,8 +126,11 @@ class Dispatcher(Ends):
         self._dismiss_unneeded()
         for _ in range(len(self.queue) + 1):
             blocked = self._scan()
+            if blocked is None or self.in_slot() >= self.settings.jobs:
+                # Every slot taken is progress that frees one: the tests that wait for
+                # it boot meanwhile (their claims are preempted if the head needs them).
+                self._boot_ahead(waiting=blocked is not None)
             if blocked is None:
-                self._boot_ahead()
                 return
             if live.can_move(self, blocked):
                 return
@@ -151,6 +155,9 @@ class Dispatcher(Ends):
 
     def _place(self, entry: Entry) -> Placed:
         test = entry.test
+        if entry.failed_ahead:  # its child, booted while it waited for a slot, died
+            self.end(entry, ev.Report(test.id, Outcome.START_FAILED, entry.failed_ahead))
+            return "ended"
         scope_child = self.scope_child(test.scope) if test.scope else None
         if scope_child is not None:
             if scope_child.members[:1] == [test.id] and scope_child.state is not State.RUNNING:
@@ -202,7 +209,12 @@ class Dispatcher(Ends):
         return "started"
 
     def _preempt(self, head: ev.Test) -> None:
-        """Dismiss the idle children whose claims keep the head from devices it could have."""
+        """Dismiss the idle children whose claims keep the head from devices it could have.
+
+        Only when devices are what it waits for: a head that waits for a slot, or whose
+        devices are free, would gain nothing, and booted children would be lost."""
+        if self.in_slot() >= self.settings.jobs or self.choose(head) is not None:
+            return
         idle = [c for c in self.live_children() if self.idle_holder(c, head)]
         if not idle:
             return
@@ -214,10 +226,15 @@ class Dispatcher(Ends):
                 child.test = ""
                 self.dismiss(child)
 
-    def _boot_ahead(self) -> None:
+    def _boot_ahead(self, waiting: bool = False) -> None:
+        """Boot children for the next tests (``waiting``: first for those pytest waits on
+        for a slot), up to ``lookahead`` at once, each on devices its claim fits now."""
         if not self.settings.lookahead or self.stopping:
             return
         window = self.upcoming(self.settings.lookahead)
+        if waiting:
+            queued = [self.tests[t].test for t in self.queue]
+            window = [t for t in queued if not t.scope or self.first_of_scope(t)] + window
         ahead = sum(1 for c in self.live_children() if self.is_ahead(c))
         for test in window:
             if ahead >= self.settings.lookahead:

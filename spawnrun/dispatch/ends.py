@@ -114,7 +114,7 @@ class Ends(Run):
         entry = self.tests.get(child.test) if child.test else None
         if entry is None:
             return
-        if entry.phase is Phase.KNOWN:
+        if entry.phase in (Phase.KNOWN, Phase.WAITING):
             entry.failed_ahead = why  # booted ahead: reported at its turn
         elif entry.phase is Phase.STARTED:
             self.end(entry, ev.Report(entry.test.id, Outcome.START_FAILED, why))

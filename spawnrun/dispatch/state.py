@@ -278,9 +278,10 @@ class Run:
         return out
 
     def is_ahead(self, child: Child) -> bool:
+        """Booted for a test that has not got its slot yet (not reached, or waiting)."""
         if child.state not in (State.STARTING, State.READY) or not child.test:
             return False
-        return self.tests[child.test].phase is Phase.KNOWN
+        return self.tests[child.test].phase in (Phase.KNOWN, Phase.WAITING)
 
     def idle_holder(self, child: Child, head: ev.Test) -> bool:
         """A child that holds devices while it waits for a test other than the head."""

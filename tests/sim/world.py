@@ -126,6 +126,8 @@ class World:
         #: The ledger's truth: the claims peers hold now, by peer index.
         self.peer_claims: dict[int, tuple[str, int | None]] = {}
         self.denied: set[int] = set()
+        #: Events the driver tells in the same feed as the action that caused them.
+        self.told_now: list[ev.Event] = []
         self.suite = suite
         self.template_refuses = template_refuses
         self.d = Dispatcher(settings)
@@ -292,9 +294,15 @@ class World:
             self._perform(self.d.handle(ev.Stop(self.now, why, after)))
             self.stop_due = None
         self._perform(self.d.step())
+        while self.told_now:
+            batch, self.told_now = self.told_now, []
+            self._perform(self.d.handle(*batch))
+            self._perform(self.d.step())
 
     def _perform(self, actions: list[ev.Action]) -> None:
         self.log.extend(actions)
+        if len(self.log) > 50000:  # a loop at one instant (start, fail, start...) is a hang
+            raise Hang(f"over 50000 actions by {self.now}s:\n{self._state()}")
         for action in actions:
             getattr(self, "_" + type(action).__name__.lower())(action)
         self._check_safety()
@@ -304,9 +312,10 @@ class World:
         if a.devices and self.peer_claims:
             pool = self._ledger_pool()
             if not all(pool.fits(dv, need) for dv in a.devices):
-                self.denied.add(a.child)  # the ledger refuses it: no process is started
-                self._at(self.now, ev.Denied(self.now, a.child))
-                self._at(self.now, _Poll(self.now))
+                # The ledger refuses it: no process is started, and the driver says so
+                # in the same feed, with the ledger's claims.
+                self.denied.add(a.child)
+                self.told_now += [ev.Denied(self.now, a.child), self._ledger()]
                 return
         proc = Proc(a.child, a.kind, a.devices, need, a.test, a.members)
         self.procs[a.child] = proc
