@@ -335,12 +335,18 @@ def test_silent_pass_guard(pytester):
 def test_exitfirst_stops_dispatch_and_reports_running_children(pytester):
     pytester.makepyfile(
         """
-        import time
+        import os, time
         import pytest
         pytestmark = pytest.mark.gpu
         def test_one():
+            # Fails once the next test runs beside it (pytest reached it: -x then finds
+            # a running child to stop), or after 10 s.
+            end = time.time() + 10
+            while not os.path.exists("two.txt") and time.time() < end:
+                time.sleep(0.05)
             assert False
         def test_two_still_running():
+            open("two.txt", "w").write("x")
             time.sleep(30)
         def test_three_never_starts():
             open("three.txt", "w").write("x")
@@ -348,7 +354,7 @@ def test_exitfirst_stops_dispatch_and_reports_running_children(pytester):
     )
     start = time.monotonic()
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-x", "-rs")
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 25
     result.assert_outcomes(failed=1, skipped=1)
     result.stdout.fnmatch_lines(
         ["*stopped while running, because the session stopped*", "*stopping after 1 failures*"]
