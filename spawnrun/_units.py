@@ -1,0 +1,214 @@
+"""The driver's record of the dispatcher's children, and what their units did, as events.
+
+Runs in the parent. A ``Unit`` is one dispatcher child and what holds its process now
+(the test's ``_jobs.Job`` while it boots or runs, the ``_ending.Ending`` after its test,
+a child started while collecting until a test takes it, a dismissed process until it is
+gone). ``Units`` builds the dispatcher from the run's limits and turns what the units did
+since the last look into its events: booted, done, exited, released, refused. It decides
+nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from spawnrun import _devices
+from spawnrun import _early
+from spawnrun import _packing
+from spawnrun import _runner
+from spawnrun._ending import EXIT_KILL
+from spawnrun._ending import Ending
+from spawnrun._ending import Stage
+from spawnrun._jobs import Job
+from spawnrun._jobs import State
+from spawnrun._loop import Loop
+from spawnrun.dispatch import Dispatcher
+from spawnrun.dispatch import events as ev
+from spawnrun.dispatch.events import Kind
+from spawnrun.dispatch.units import State as Life
+
+#: The dispatcher's own exit, kill and settle limits are backstops: the ending's
+#: (``_ending``) come first and say more.
+_BACKSTOP = 30.0
+
+
+def early_key(path: str, plan: _packing.Plan) -> str:
+    """What a child started while collecting ``path`` must share with the test it serves."""
+    return f"{path}|{plan.count}|{plan.every}|{plan.need}|{plan.budget_source}"
+
+
+@dataclass
+class Unit:
+    """One dispatcher child and what holds its process now."""
+
+    cid: int
+    kind: Kind
+    devices: tuple[str, ...]
+    job: Job | None = None
+    ending: Ending | None = None
+    early: _early.EarlyChild | None = None
+    #: A process dismissed before it ran a test, until it is gone.
+    grave: _runner.ChildProcess | None = None
+    #: The job of the test it ran last (the donor of a scope's next test).
+    last: Job | None = None
+    booted: bool = False
+    exited: bool = False
+    refused: bool = False
+
+
+class Units(Loop):
+    """The dispatcher, the children it knows, and their lives told back to it."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._core: Dispatcher | None = None
+        self.config: pytest.Config | None = None
+        self.units: dict[int, Unit] = {}
+        #: Every spawned test the run knows (the suite's), and the job of each.
+        self.items: dict[str, tuple[pytest.Item, _packing.Plan]] = {}
+        self.by_id: dict[str, Job] = {}
+        #: Tests pytest reached whose reports are not replayed yet (nor dropped).
+        self.pending: list[str] = []
+        #: Children started while collecting: what each key's child is started with.
+        self.expected: dict[str, tuple[str, _packing.Plan]] = {}
+        self.early_seen = 0
+        #: An xdist worker: pytest's order is not the suite's (``Next`` before each test).
+        self.told_next = False
+        self.stop_told = False
+        self.interrupting: Job | None = None
+        self.finishing = False
+        self._feeding = False
+        self._queued: list[ev.Event] = []
+        #: Under xdist: the ledger, our claims in it (child -> devices), and the other
+        #: workers' claims as last told.
+        self.ledger = self.allocator if isinstance(self.allocator, _devices.Ledger) else None
+        self.claims: dict[int, tuple[str, ...]] = {}
+        self.peers: tuple[tuple[str, int | None], ...] | None = None
+
+    # The dispatcher ------------------------------------------------------------------
+
+    @property
+    def core(self) -> Dispatcher:
+        if self._core is None:
+            alloc = self.allocator
+            settle = (self.settle or 0.0) + _BACKSTOP
+            self._core = Dispatcher(
+                ev.Settings(
+                    devices=tuple(alloc.ids),
+                    capacity=tuple(alloc.capacity.items()),
+                    per_gpu=alloc.per_gpu,
+                    reserve=_packing.RESERVE,
+                    jobs=self.limit,
+                    lookahead=self.lookahead,
+                    early=self.early.limit,
+                    exit_grace=EXIT_KILL + _BACKSTOP,
+                    kill_grace=_BACKSTOP,
+                    settle=settle,
+                )
+            )
+        return self._core
+
+    def _forget_early(self, unit: Unit) -> None:
+        if unit.early is not None and unit.early in self.early.waiting:
+            self.early.waiting.remove(unit.early)
+        unit.early = None
+
+    def _pending_observations(self) -> bool:
+        return any(self._changed(u) for u in self.units.values())
+
+    def _changed(self, unit: Unit) -> bool:
+        job = unit.job
+        if job is not None:
+            if job.state is State.DONE:
+                return True
+            if not unit.booted and job.state in (State.WAITING, State.RUNNING, State.DUMPING):
+                return True
+        return False
+
+    def _observe(self) -> list[ev.Event]:
+        """What the units did since the last look, as the dispatcher's events."""
+        now = time.monotonic()
+        out: list[ev.Event] = []
+        for unit in list(self.units.values()):
+            out += self._observe_unit(unit, now)
+        return out
+
+    def _observe_unit(self, unit: Unit, now: float) -> list[ev.Event]:
+        out: list[ev.Event] = []
+        cid = unit.cid
+        if unit.early is not None and unit.job is None:
+            child = unit.early.child
+            if child.gone or child.exitcode is not None:
+                self._forget_early(unit)
+                unit.grave = child
+                if not child.gone:
+                    child.reaped()
+        job = unit.job
+        if job is not None:
+            why = self.refusals.get(job.plan.scope) if job.plan.scope else None
+            if why is not None and not unit.refused:
+                unit.refused = True
+                out.append(ev.Refused(now, cid, why or "its forkserver is off"))
+            if not unit.booted and job.state in (State.WAITING, State.RUNNING, State.DUMPING):
+                unit.booted = True
+                out.append(ev.Booted(now, cid))
+            if job.state is State.DONE:
+                unit.job, unit.last = None, job
+                if job.ending is None:  # it could never be started
+                    out.append(ev.StartFailed(now, cid, self._start_error(job)))
+                    self.units.pop(cid, None)
+                    return out
+                unit.ending = job.ending
+                if job.ending.after_done:
+                    if not unit.booted:
+                        unit.booted = True
+                        out.append(ev.Booted(now, cid))
+                    more = job.ending.stage is Stage.HANDOVER
+                    interrupt = job.interrupted is not None
+                    poisoned = bool(job.replaced)
+                    out.append(ev.Done(now, cid, job.item.nodeid, interrupt, poisoned, more))
+                else:
+                    unit.exited = True
+                    out.append(ev.Exited(now, cid, -1))
+        ending = unit.ending
+        if ending is not None and ending.stage is Stage.HANDOVER:
+            mine = self.core.children.get(cid)
+            if mine is not None and mine.state not in (Life.BETWEEN, Life.RUNNING):
+                ending.dismiss()  # the dispatcher has it exit: no next test comes
+        if ending is not None:
+            gone = ending.stage in (Stage.REAPING, Stage.SETTLING, Stage.GONE)
+            if gone and not unit.exited:
+                unit.exited = True
+                out.append(ev.Exited(now, cid, 0))
+            if ending.stage is Stage.GONE:
+                ending.held = []  # free: a test granted now does not share with it
+                out.append(ev.Released(now, cid))
+                self.units.pop(cid, None)
+        if unit.grave is not None and (unit.grave.gone or unit.grave.exitcode is not None):
+            if not unit.exited:
+                unit.exited = True
+                out.append(ev.Exited(now, cid, 0))
+            out.append(ev.Released(now, cid))
+            self.units.pop(cid, None)
+        return out
+
+    def _start_error(self, job: Job) -> str:
+        for report in job.replay.reports:
+            if report.failed:
+                return str(report.longrepr).splitlines()[0]
+        return "it could not be started"
+
+    def _poll_peers(self, force: bool = False) -> None:
+        """Tell the dispatcher what other workers hold, when that changed."""
+        if self.ledger is None:
+            return
+        others = self.ledger.others()
+        if others is None:
+            return  # out of reach now: the last claims told stand
+        if force or others != self.peers:
+            self.peers = others
+            self._queued.append(ev.Peers(time.monotonic(), others))
