@@ -149,11 +149,7 @@ class Driver(Performer):
             job.replay.start()  # one at a time: its line shows while it runs, as in-process
         self.pending.append(item.nodeid)
         now = time.monotonic()
-        told: list[ev.Event] = []
-        if self.told_next:
-            after = nextitem.nodeid if nextitem is not None else ""
-            told.append(ev.Next(now, (after,) if after in self.items else ()))
-        self._feed(*told, ev.Submit(now, self._test(item, plan)))
+        self._feed(*self._next(nextitem, now), ev.Submit(now, self._test(item, plan)))
         with self._waiting():
             while not self.core.placed(item.nodeid):
                 self.loop_once(self._redraw())
@@ -161,10 +157,17 @@ class Driver(Performer):
     def reached(self, nextitem: pytest.Item | None) -> None:
         """pytest ran a test in-process: children that ended meanwhile are told, and an
         xdist worker tells what comes next (its own order), to boot it ahead."""
-        if self.told_next:
-            after = nextitem.nodeid if nextitem is not None else ""
-            self._feed(ev.Next(time.monotonic(), (after,) if after in self.items else ()))
+        told = self._next(nextitem, time.monotonic())
+        if told:
+            self._feed(*told)
         self.loop_once(0)
+
+    def _next(self, nextitem: pytest.Item | None, now: float) -> list[ev.Event]:
+        """An xdist worker's ``Next``: the spawned test pytest reaches after this one."""
+        if not self.told_next:
+            return []
+        after = nextitem.nodeid if nextitem is not None else ""
+        return [ev.Next(now, (after,) if after in self.items else ())]
 
     def _scope_tests(self, scope: str) -> list[str]:
         return [nodeid for nodeid, (_, plan) in self.items.items() if plan.scope == scope]
