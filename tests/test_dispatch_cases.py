@@ -7,6 +7,8 @@ then hang or break, which shows the case tests the rule and not nothing.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from sim.world import Result
 from sim.world import Spec
@@ -162,7 +164,10 @@ def test_the_interrupt_comes_after_the_replays_of_its_batch() -> None:
     for test in ("a", "b"):
         d.handle(ev.Submit(0, ev.Test(test)))
         d.step()
-    assert d.handle(ev.Booted(1, 1), ev.Booted(1, 2)) == [ev.Go(1, "a"), ev.Go(2, "b")]
+    assert d.handle(ev.Booted(1, 1), ev.Booted(1, 2)) == [
+        ev.Go(1, "a", ("0",)),
+        ev.Go(2, "b", ("1",)),
+    ]
     actions = d.handle(ev.Done(2, 2, "b", interrupt=True), ev.Done(2, 1, "a"))
     assert actions == [ev.Replay("b"), ev.Replay("a"), ev.Interrupt("b")]
 
@@ -277,3 +282,96 @@ def test_a_go_before_boot_is_caught_by_the_world(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(Run, "start", eager)
     with pytest.raises(Unsafe):
         World(_settings(), [Spec(ev.Test("a"))]).run()
+
+
+# Children whose boot touches no device memory boot unclaimed (issue 25) ---------------
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_exclusive_tests_boot_while_the_one_before_runs(defer: bool) -> None:
+    """Six tests alone on one device, boots longer than the tests. Once the file's first
+    boot showed it makes no context, the next children boot unclaimed while the one
+    before runs, and each takes the device once it is free. Holding their claims from
+    their start (H200 run 21: 4.24x plain), each boots only once the device is empty."""
+    specs = [Spec(ev.Test(f"x{i}", file="test_x.py"), duration=1.0, boot=2.5) for i in range(6)]
+    result = World(_settings(jobs=4, lookahead=4, settle=0.5, defer=defer), specs).run()
+    assert all(v == ["replay"] for v in result.ends.values())
+    if defer:
+        assert result.time < 12.0, result.time  # two boots, then the tests back to back
+    else:
+        assert result.time > 20.0, result.time  # a boot before each test
+
+
+@pytest.mark.parametrize(("defer", "known"), [(True, True), (True, False), (False, True)])
+def test_module_children_without_a_budget_boot_while_another_module_runs(
+    defer: bool, known: bool
+) -> None:
+    """Four modules of eight tests, each module's child alone on the device (no budget).
+    Where an earlier run saw the modules' boots make no context (``boots``), the next
+    module's child imports and collects while the current one runs; a module never
+    booted before holds its claim from its start, as every child used to."""
+    specs = [
+        Spec(ev.Test(f"m{m}::t{i}", scope=f"module m{m}", file=f"m{m}.py"), duration=0.3, boot=3)
+        for m in range(4)
+        for i in range(8)
+    ]
+    boots = tuple((f"m{m}.py", "") for m in range(4)) if known else ()
+    config = _settings(jobs=4, lookahead=2, settle=0.5, defer=defer, boots=boots)
+    result = World(config, specs).run()
+    assert all(v == ["replay"] for v in result.ends.values())
+    bound = 3 + 4 * 8 * 0.3 + 2.0
+    assert (result.time < bound) is (defer and known), result.time
+
+
+def test_booting_children_do_not_count_toward_the_per_device_cap() -> None:
+    """Two tests at once on the device (its cap), short tests, slow boots: children that
+    boot unclaimed hold no place under the cap, so a freed place runs a booted child."""
+    specs = [
+        Spec(ev.Test(f"t{i}", need=2 * GiB, file="t.py"), duration=0.3, boot=2.5) for i in range(12)
+    ]
+    config = _settings(jobs=4, per_gpu=2, lookahead=4, boots=(("t.py", ""),))
+    deferred = World(replace(config, defer=True), specs).run()
+    claimed = World(config, specs).run()
+    assert all(v == ["replay"] for v in deferred.ends.values())
+    # Boots come in waves of four (the lookahead): 12 tests in about three 2.5 s waves;
+    # claimed from their start, two boots at a time (the cap): six waves.
+    assert deferred.time < 9.0 and claimed.time > 15.0, (deferred.time, claimed.time)
+
+
+def test_a_file_whose_boot_makes_a_context_never_boots_unclaimed() -> None:
+    """Its conftest allocates on the device at import: each of its children holds its
+    claim from its start (the world counts such a boot as holding what it sees, so an
+    unclaimed one beside the exclusive test would fail the run), while another file's
+    children boot unclaimed."""
+    specs = [
+        Spec(ev.Test(f"k{i}", file="test_k.py"), boot=2.0, touches=ev.CONTEXT) for i in range(4)
+    ]
+    specs += [Spec(ev.Test(f"p{i}", file="test_p.py"), boot=2.0) for i in range(4)]
+    result = World(_settings(jobs=2, lookahead=3, settle=0.5, defer=True), specs).run()
+    assert all(v == ["replay"] for v in result.ends.values())
+    assert result.dispatcher.boots == {"test_k.py": ev.CONTEXT, "test_p.py": ""}
+    assert not [p for p in result.procs.values() if p.deferred and p.test.startswith("k")]
+    assert [p for p in result.procs.values() if p.deferred and p.test.startswith("p")]
+
+
+def test_a_boot_that_initialized_the_driver_runs_on_the_devices_it_saw() -> None:
+    """Its conftest calls ``torch.cuda.is_available()``: the driver then knows only the
+    devices the child saw, so its go gives it those, even when another is free first
+    (the world fails on a go to others)."""
+    specs = [Spec(ev.Test("long", file="a.py"), duration=5.0)]
+    specs += [
+        Spec(ev.Test(f"d{i}", file="test_d.py"), duration=0.5, boot=1.0, touches=ev.DRIVER)
+        for i in range(6)
+    ]
+    config = _settings(
+        devices=("0", "1"),
+        capacity=(),
+        jobs=2,
+        lookahead=3,
+        defer=True,
+        boots=(("test_d.py", ev.DRIVER),),
+    )
+    result = World(config, specs).run()
+    assert all(v == ["replay"] for v in result.ends.values())
+    bound = [p for p in result.procs.values() if p.deferred and p.ran]
+    assert bound and all(p.devices == p.seen for p in bound)

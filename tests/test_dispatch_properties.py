@@ -10,6 +10,8 @@ what must hold at the end.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck
 from hypothesis import given
@@ -44,7 +46,13 @@ def scenarios(draw: st.DrawFn) -> World:
         settle=3.0,
         poll=0.5,
         patience=50.0,
+        defer=draw(st.booleans()),
     )
+    files = ["file0", "file1", "file2", "filescope a", "filescope b", "filetpl x", "filetpl y"]
+    touches = {f: draw(st.sampled_from(["", "", ev.DRIVER, ev.CONTEXT])) for f in files}
+    # What an earlier run saw of some files (true: a file that changed is booted anew).
+    known = draw(st.sets(st.sampled_from(files)))
+    config = replace(config, boots=tuple((f, touches[f]) for f in sorted(known)))
     n = draw(st.integers(1, 12))
     specs = []
     for i in range(n):
@@ -63,6 +71,7 @@ def scenarios(draw: st.DrawFn) -> World:
             template=template,
             timeout=timeout,
             key=f"file{grouping or i % 3}",
+            file=f"file{grouping or i % 3}",
         )
         specs.append(
             Spec(
@@ -71,6 +80,7 @@ def scenarios(draw: st.DrawFn) -> World:
                 boot=draw(st.sampled_from([0.1, 0.5, 2.0])),
                 fate=draw(st.sampled_from(FATE_WEIGHTS)),
                 release=draw(st.sampled_from([0.0, 0.0, 0.5, 5.0])),
+                touches=touches[test.file],
             )
         )
     peers = draw(
@@ -84,6 +94,8 @@ def scenarios(draw: st.DrawFn) -> World:
             max_size=2,
         )
     )
+    if peers:  # xdist: children claim through the ledger at their start (never deferred)
+        config = replace(config, defer=False)
     expect = tuple((f"file{k}", 1, None) for k in draw(st.lists(st.sampled_from("012"))))
     return World(
         config,

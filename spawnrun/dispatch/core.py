@@ -9,9 +9,15 @@ Policy, in full:
   scope's child is still running the scope's previous test waits *behind its scope* and
   does not block the queue: other scopes' children run meanwhile.
 * **Every child that can see a device holds a claim on it** from its start until it is
-  gone (exited and released by NVML, or past ``settle``): children booted ahead and
-  started early too. Claims go through ``_packing.Pool``: budgets within capacity and
-  the per-device cap, a test alone on its devices nobody else holds.
+  gone (exited and released by NVML, or past ``settle``): children started early too.
+  Claims go through ``_packing.Pool``: budgets within capacity and the per-device cap,
+  a test alone on its devices nobody else holds.
+* **A child whose boot touches no device memory boots unclaimed** (``Settings.defer``):
+  once a boot of its file is known (this run or an earlier one, ``Booted.touched``) to
+  make no context, a child booted ahead, or at a turn whose devices are taken, sees the
+  least held devices but claims nothing; at its go it claims its devices (those it saw,
+  if its boot initialized the driver). Files never booted, or whose boot makes a
+  context, boot holding their claims.
 * **No hold and wait.** An idle child (booted ahead, started early, a scope's child
   between tests) never keeps the head from its devices: when dismissing idle holders
   lets the head fit, they are dismissed. Booting ahead happens while no test is blocked,
@@ -39,7 +45,7 @@ from spawnrun.dispatch.units import IDLE
 from spawnrun.dispatch.units import Child
 from spawnrun.dispatch.units import State
 
-Placed = str  # "started", "behind", "blocked", "ended"
+Placed = str  # "started", "behind", "blocked", "booting", "ended"
 
 
 class Dispatcher(Ends):
@@ -125,24 +131,27 @@ class Dispatcher(Ends):
     def _schedule(self) -> None:
         self._dismiss_unneeded()
         for _ in range(len(self.queue) + 1):
-            blocked = self._scan()
-            if blocked is None or self.in_slot() >= self.settings.jobs:
+            head, placed = self._scan()
+            booting = placed == "booting"
+            if head is None or booting or self.in_slot() >= self.settings.jobs:
                 # Every slot taken is progress that frees one: the tests that wait for
                 # it boot meanwhile (their claims are preempted if the head needs them).
-                self._boot_ahead(waiting=blocked is not None)
-            if blocked is None:
+                # So is a head whose own child boots.
+                self._boot_ahead(waiting=head is not None)
+            if head is None or booting:
                 return
-            if live.can_move(self, blocked):
+            if live.can_move(self, head):
                 return
-            entry = self.tests[blocked]
-            self.queue.remove(blocked)
+            entry = self.tests[head]
+            self.queue.remove(head)
             self.stuck += 1
-            self.end(entry, ev.Report(blocked, Outcome.STUCK, live.dump(self, blocked)))
+            self.end(entry, ev.Report(head, Outcome.STUCK, live.dump(self, head)))
 
-    def _scan(self) -> str | None:
-        """Start what may start now, in order; the id of the head if it is blocked."""
+    def _scan(self) -> tuple[str | None, Placed]:
+        """Start what may start now, in order; the head and why it waits, if one does
+        ("blocked": for a slot or devices; "booting": for its own child's boot)."""
         if self.stopping and not self.stopped_after:
-            return None
+            return None, ""
         for tid in list(self.queue):  # after a stop: the tests reached before its test
             placed = self._place(self.tests[tid])
             if placed in ("started", "ended"):
@@ -150,8 +159,10 @@ class Dispatcher(Ends):
                     self.queue.remove(tid)
             elif placed == "blocked":
                 self._preempt(self.tests[tid].test)
-                return tid
-        return None
+                return tid, placed
+            elif placed == "booting":
+                return tid, placed
+        return None, ""
 
     def _place(self, entry: Entry) -> Placed:
         test = entry.test
@@ -172,15 +183,31 @@ class Dispatcher(Ends):
             return self._fork(entry)
         if self.in_slot() >= self.settings.jobs:
             return "blocked"
+        kind = Kind.SCOPE if test.scope else Kind.SPAWN
         devices = self.choose(test)
         if devices is None:
-            return "blocked"
-        kind = Kind.SCOPE if test.scope else Kind.SPAWN
+            if not self.deferrable(test):
+                return "blocked"
+            # Its devices are taken: it boots meanwhile, claiming them once it is booted.
+            members = self.members(test)
+            self.start(kind, self.guess(test), test.need, test, members=members, deferred=True)
+            return "booting"
         child = self.start(kind, devices, test.need, test, members=self.members(test))
         entry.phase, entry.child = Phase.STARTED, child.id
         return "started"
 
     def _go(self, entry: Entry, child: Child) -> Placed:
+        if self.waits_for_devices(child):
+            # Booted unclaimed: its slot and devices are taken together once it is
+            # booted (the devices it saw, if its boot initialized the driver).
+            if child.state is State.STARTING:
+                return "booting"
+            if self.in_slot() >= self.settings.jobs:
+                return "blocked"
+            devices = self.choose(entry.test, among=child.seen if child.bound else None)
+            if devices is None:
+                return "blocked"
+            self.assign(child, devices)
         if entry.phase is not Phase.STARTED:
             if self.in_slot() >= self.settings.jobs:
                 return "blocked"
@@ -213,12 +240,13 @@ class Dispatcher(Ends):
 
         Only when devices are what it waits for: a head that waits for a slot, or whose
         devices are free, would gain nothing, and booted children would be lost."""
-        if self.in_slot() >= self.settings.jobs or self.choose(head) is not None:
+        among = self.bound_to(head)
+        if self.in_slot() >= self.settings.jobs or self.choose(head, among=among) is not None:
             return
         idle = [c for c in self.live_children() if self.idle_holder(c, head)]
         if not idle:
             return
-        devices = self.choose(head, without={c.id for c in idle})
+        devices = self.choose(head, without={c.id for c in idle}, among=among)
         if devices is None:
             return
         for child in idle:
@@ -249,9 +277,12 @@ class Dispatcher(Ends):
                 continue
             if test.scope and not self.first_of_scope(test):
                 continue
-            devices = self.choose(test)
-            if devices is None:
-                continue
             kind = Kind.SCOPE if test.scope else Kind.SPAWN
-            self.start(kind, devices, test.need, test, members=self.members(test))
+            members = self.members(test)
+            if self.deferrable(test):  # claims nothing until its go
+                self.start(kind, self.guess(test), test.need, test, members, deferred=True)
+            elif (devices := self.choose(test)) is not None:
+                self.start(kind, devices, test.need, test, members=members)
+            else:
+                continue
             ahead += 1

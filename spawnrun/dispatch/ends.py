@@ -34,6 +34,12 @@ class Ends(Run):
             return  # a late message of a child given up
         if isinstance(event, ev.Booted):
             if child.state is State.STARTING:
+                self._learn_boot(child, event.touched)
+            if child.state is State.STARTING and self.waits_for_devices(child):
+                child.bound = event.touched == ev.DRIVER
+                if event.touched == ev.CONTEXT:
+                    self._made_context(child)
+            if child.state is State.STARTING:
                 child.move(State.READY, self.now)
                 entry = self.tests.get(child.test) if child.test else None
                 if entry is not None and entry.phase is Phase.STARTED:
@@ -94,6 +100,25 @@ class Ends(Run):
         else:
             child.move(State.SETTLING, self.now)
             self.settled(child)
+
+    def _learn_boot(self, child: Child, touched: str) -> None:
+        """What a boot of its test's file touched: later children of the file boot
+        unclaimed unless it makes a context."""
+        if child.kind in (Kind.SPAWN, Kind.SCOPE) and child.test in self.tests:
+            test = self.tests[child.test].test
+            self.boots[test.file or test.id] = touched
+
+    def _made_context(self, child: Child) -> None:
+        """An unclaimed boot made a context after all (its file changed since the run
+        that said it did not): it is dismissed at once, as are its file's other
+        unclaimed children; the file's tests get children that hold their devices."""
+        child.move(State.READY, self.now)
+        for other in self.live_children():
+            mine = self.tests.get(other.test) if other.test else None
+            if other.state in (State.STARTING, State.READY) and self.waits_for_devices(other):
+                if other is child or (mine is not None and not self.deferrable(mine.test)):
+                    other.test = ""
+                    self.dismiss(other)
 
     def _denied(self, child: Child) -> None:
         """No process was started (a peer holds its devices): its test waits again, in

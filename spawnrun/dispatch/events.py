@@ -13,6 +13,11 @@ from dataclasses import dataclass
 
 #: A need that shares nothing (the same value as ``_packing.ALONE``).
 ALONE = None
+#: What a child's boot (imports, collection) did to the devices it could see
+#: (``Booted.touched``; "": nothing): initialized the driver (``cuInit``, no memory on
+#: a device), or made a context (device memory).
+DRIVER = "driver"
+CONTEXT = "context"
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,9 @@ class Test:
     #: What earlier runs measured (seconds), for ordering; None: unknown.
     duration: float | None = None
     key: str = ""
+    #: The file whose collection its child runs ("": the test's own id): what a boot of
+    #: it touches (``Booted.touched``) says whether its children may boot unclaimed.
+    file: str = ""
 
 
 class Kind(enum.Enum):
@@ -100,7 +108,13 @@ class Collected(Event):
 
 @dataclass(frozen=True)
 class Booted(Event):
+    """The child collected its test and waits for its go.
+
+    ``touched``: what its boot did to the devices it saw ("", ``DRIVER``, ``CONTEXT``).
+    """
+
     child: int
+    touched: str = ""
 
 
 @dataclass(frozen=True)
@@ -222,7 +236,9 @@ class Start(Action):
     """Start a child on ``devices`` (fixed for its life), for ``test`` if known.
 
     A scope's child runs ``members`` in that order; an early child serves ``key``; a
-    fork comes from the template child ``parent``.
+    fork comes from the template child ``parent``. ``deferred``: it sees ``devices``
+    (a guess) but claims none while it boots; its ``Go`` says its devices, claimed from
+    then (others, if its boot left them untouched).
     """
 
     child: int
@@ -233,14 +249,21 @@ class Start(Action):
     members: tuple[str, ...] = ()
     key: str = ""
     parent: int = 0
+    deferred: bool = False
 
 
 @dataclass(frozen=True)
 class Go(Action):
-    """The child runs ``test`` now (its timeout counts from here)."""
+    """The child runs ``test`` now (its timeout counts from here).
+
+    ``devices``: the child's devices; for a deferred child, its first go assigns them
+    (the driver sets its visibility variables before the test's setup, where they
+    differ from what it saw).
+    """
 
     child: int
     test: str
+    devices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -304,7 +327,9 @@ class Settings:
     kill; ``kill_grace``: from a kill until the process is given up; ``settle``: how long
     a device waits for NVML to release an exited child's memory; ``poll``: how often a
     test waiting for another worker's devices looks again; ``patience``: waits longer
-    than this get a warning once.
+    than this get a warning once; ``defer``: children of files whose boot is known not
+    to make a context boot unclaimed (``Start.deferred``); ``boots``: what earlier runs
+    saw each file's boot touch (``Booted.touched``).
     """
 
     devices: tuple[str, ...] = ("0",)
@@ -319,3 +344,5 @@ class Settings:
     settle: float = 10.0
     poll: float = 0.05
     patience: float = 600.0
+    defer: bool = False
+    boots: tuple[tuple[str, str], ...] = ()

@@ -61,6 +61,10 @@ class Run:
         self.templates: dict[str, Child] = {}
         #: Templates that may not fork and scopes not shared after all (key -> why).
         self.refused: dict[str, str] = {}
+        #: What a boot of each file touched (``ev.Booted.touched``), as earlier runs and
+        #: this one saw it: a file's children boot unclaimed once it is known not to
+        #: make a context.
+        self.boots: dict[str, str] = dict(settings.boots)
         #: Free memory per device as NVML last said (absent: unknown).
         self.free: dict[str, int | None] = {}
         self.stopping = ""
@@ -124,26 +128,36 @@ class Run:
         members: list[str] | None = None,
         key: str = "",
         parent: int = 0,
+        deferred: bool = False,
     ) -> Child:
         self._ids += 1
         scope = test.scope if test is not None else ""
-        child = Child(self._ids, kind, devices, need, scope=scope, key=key, parent=parent)
+        claimed = () if deferred else devices
+        child = Child(self._ids, kind, claimed, need, scope=scope, key=key, parent=parent)
+        child.deferred, child.seen = deferred, devices if deferred else ()
         child.test = test.id if test is not None else ""
         child.members = list(members or [])
         child.since = self.now
         self.children[child.id] = child
-        if devices:
-            self.pool.take(devices, need, f"c{child.id}")
+        if claimed:
+            self.pool.take(claimed, need, f"c{child.id}")
+        members_ = tuple(child.members)
         self.emit(
-            ev.Start(child.id, kind, devices, child.test, scope, tuple(child.members), key, parent)
+            ev.Start(child.id, kind, devices, child.test, scope, members_, key, parent, deferred)
         )
         return child
+
+    def assign(self, child: Child, devices: tuple[str, ...]) -> None:
+        """A deferred child's devices, claimed from now on (its go tells it them)."""
+        child.devices = devices
+        if devices:
+            self.pool.take(devices, child.need, f"c{child.id}")
 
     def go(self, child: Child, entry: Entry) -> None:
         child.test = entry.test.id
         timeout = entry.test.timeout
         child.move(State.RUNNING, self.now, None if timeout is None else self.now + timeout)
-        self.emit(ev.Go(child.id, entry.test.id))
+        self.emit(ev.Go(child.id, entry.test.id, child.devices))
 
     def dismiss(self, child: Child) -> None:
         if child.state in (State.STARTING, *IDLE):
@@ -177,9 +191,13 @@ class Run:
         return len(self.pool.ids) if test.every else test.count
 
     def choose(
-        self, test: ev.Test, without: frozenset[int] | set[int] = frozenset()
+        self,
+        test: ev.Test,
+        without: frozenset[int] | set[int] = frozenset(),
+        among: tuple[str, ...] | None = None,
     ) -> tuple[str, ...] | None:
-        """Devices the test's claim fits on now (ignoring the claims of ``without``)."""
+        """Devices the test's claim fits on now (ignoring the claims of ``without``;
+        only ``among`` them, if given)."""
         count = self.wanted(test)
         if count == 0:
             return ()
@@ -188,8 +206,32 @@ class Run:
             tokens = {f"c{i}" for i in without}
             claims = {d: [c for c in pool.held(d) if c.token not in tokens] for d in pool.ids}
             pool = _packing.Pool(pool.ids, pool.capacity, pool.per_gpu, pool.reserve, claims)
-        chosen = pool.choose(count, test.need, self.free.get)
+        chosen = pool.choose(count, test.need, self.free.get, among)
         return None if chosen is None else tuple(chosen)
+
+    def bound_to(self, test: ev.Test) -> tuple[str, ...] | None:
+        """The devices the test's own booted child is bound to (None: any)."""
+        for child in self.live_children():
+            if child.test == test.id and child.bound and self.waits_for_devices(child):
+                return child.seen
+        return None
+
+    def guess(self, test: ev.Test) -> tuple[str, ...]:
+        """The devices an unclaimed child sees while it boots: the least held."""
+        order = {d: i for i, d in enumerate(self.pool.ids)}
+        held = sorted(self.pool.ids, key=lambda d: (len(self.pool.held(d)), order[d]))
+        return tuple(sorted(held[: self.wanted(test)], key=order.__getitem__))
+
+    def deferrable(self, test: ev.Test) -> bool:
+        """Whether a child for ``test`` may boot unclaimed: its file's boot is known to
+        make no context (so it touches no device memory before its go); not a fork."""
+        if not self.settings.defer or test.template or self.wanted(test) == 0:
+            return False
+        return self.boots.get(test.file or test.id, ev.CONTEXT) != ev.CONTEXT
+
+    def waits_for_devices(self, child: Child) -> bool:
+        """A deferred child whose devices are not assigned yet."""
+        return child.deferred and not child.devices
 
     def can_ever_fit(self, test: ev.Test) -> bool:
         count = self.wanted(test)

@@ -76,6 +76,11 @@ class Child:
     test: str = ""
     last: str = ""
     parent: int = 0
+    #: Booted unclaimed, seeing ``seen``: ``devices`` stays empty until its go, which
+    #: must give it ``seen`` if its boot initialized the driver (``bound``).
+    deferred: bool = False
+    seen: tuple[str, ...] = ()
+    bound: bool = False
     state: State = State.STARTING
     since: float = 0.0
     #: When its current state ends by itself (None: an event will end it).

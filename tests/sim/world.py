@@ -9,7 +9,11 @@ event to event. It keeps its own record of every process and checks, after every
   and a test that runs alone shares its device with no live process;
 * actions respect the processes: a go only to a booted idle child, no action to one
   that has exited;
-* a scope's child runs its tests in the order they were submitted.
+* a scope's child runs its tests in the order they were submitted;
+* a child booted unclaimed (deferred) touches no device memory until its go gives it
+  devices (one whose boot makes a context holds the devices it saw from its start, and
+  the checks above count it), and one whose boot initialized the driver runs only on
+  the devices it saw.
 
 Other xdist workers share the devices through a ledger that the world keeps as the
 truth: a peer's claim is taken when it fits beside the claims there (the world's own
@@ -71,6 +75,9 @@ class Spec:
     fate: str = "pass"
     exit_after: float = 0.05
     release: float = 0.0
+    #: What its file's collection does to the devices a child sees ("", ev.DRIVER: a
+    #: conftest asks CUDA for devices, ev.CONTEXT: it allocates).
+    touches: str = ""
 
 
 @dataclass
@@ -87,6 +94,11 @@ class Proc:
     running: str = ""
     ran: list[str] = field(default_factory=list)
     last_fate: str = "pass"
+    #: Booted unclaimed, seeing ``seen``: its devices come with its go.
+    deferred: bool = False
+    seen: tuple[str, ...] = ()
+    #: What its boot did to the devices it saw.
+    touched: str = ""
 
 
 @dataclass
@@ -317,9 +329,16 @@ class World:
                 self.denied.add(a.child)
                 self.told_now += [ev.Denied(self.now, a.child), self._ledger()]
                 return
-        proc = Proc(a.child, a.kind, a.devices, need, a.test, a.members)
+        proc = Proc(a.child, a.kind, a.devices, need, a.test, a.members, deferred=a.deferred)
         self.procs[a.child] = proc
         spec = self.specs.get(a.test)
+        touched = ""
+        if spec is not None and a.kind in (Kind.SPAWN, Kind.SCOPE):
+            touched = proc.touched = spec.touches
+        if a.deferred:
+            proc.seen = a.devices
+            # Unclaimed, it holds device memory only if its boot makes a context.
+            proc.devices = a.devices if touched == ev.CONTEXT else ()
         fate = spec.fate if spec is not None and a.kind is not Kind.TEMPLATE else "pass"
         boot = spec.boot if spec is not None else 1.0
         if a.kind is Kind.FORK:
@@ -335,7 +354,7 @@ class World:
             self._at(self.now + boot, ev.Refused(self.now + boot, a.child, "a thread runs"))
             proc.booted = True
         else:
-            self._at(self.now + boot, ev.Booted(self.now + boot, a.child))
+            self._at(self.now + boot, ev.Booted(self.now + boot, a.child, touched))
 
     def _go(self, a: ev.Go) -> None:
         if a.child in self.denied:
@@ -347,6 +366,17 @@ class World:
             raise Unsafe(f"go to child {a.child} before it booted")
         if a.test not in self.d.submitted:
             raise Unsafe(f"{a.test} runs before pytest reached it")
+        if proc.deferred and not proc.ran:
+            wants = self.specs[a.test].test
+            if not a.devices and (wants.count or wants.every):
+                raise Unsafe(f"child {a.child} runs {a.test} with no devices")
+            if proc.touched == ev.CONTEXT:
+                raise Unsafe(f"child {a.child} runs {a.test}: its boot made an unclaimed context")
+            if proc.touched == ev.DRIVER and a.devices != proc.seen:
+                raise Unsafe(f"child {a.child} saw {proc.seen} at its boot, runs on {a.devices}")
+            proc.devices = a.devices
+        elif a.devices != proc.devices:
+            raise Unsafe(f"go to child {a.child} on {a.devices}; it has {proc.devices}")
         if proc.ran and self.order.index(a.test) < self.order.index(proc.ran[-1]):
             raise Unsafe(f"child {a.child} got {a.test} after {proc.ran}: out of order")
         spec = self.specs[a.test]
