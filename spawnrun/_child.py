@@ -328,7 +328,10 @@ class _Relay:
             self.booted = True
             return
         unsafe = _zygote_refusal() if self.spec.fork_each else ""
-        self.send(proto.Booted(os.getpid(), True, not_a_template=unsafe, waited=waited))
+        touched = _forksafe.boot_touch()
+        self.send(
+            proto.Booted(os.getpid(), True, not_a_template=unsafe, waited=waited, touched=touched)
+        )
         self.booted = True
         try:
             go = self.conn.recv()

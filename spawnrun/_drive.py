@@ -60,6 +60,7 @@ class Driver(Performer):
             every=plan.every,
             scope=plan.scope,
             key=early_key(str(item.path), plan),
+            file=str(item.path),
         )
 
     def _feed(self, *events: ev.Event) -> None:

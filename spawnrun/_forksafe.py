@@ -37,7 +37,14 @@ def unsafe_state() -> str:
             "a forked child would inherit their locks but not them (OpenMP and MKL pools "
             "then hang)"
         )
-    return _plugin_state()
+    return plugin_state()
+
+
+def boot_touch() -> str:
+    """What this process did to its devices so far (``_probe.boot_touch``); a plugin's
+    ``pytest_spawnrun_device_state`` answer counts as an initialized driver."""
+    touched = _probe.boot_touch()
+    return touched or ("driver" if plugin_state() else "")
 
 
 def _quiesce() -> None:
@@ -49,7 +56,7 @@ def _quiesce() -> None:
     os.waitpid(pid, 0)
 
 
-def _plugin_state() -> str:
+def plugin_state() -> str:
     """Ask the ``pytest_spawnrun_device_state`` hooks of the modules imported here.
 
     The template has no pytest configuration, so implementations in loaded plugin or

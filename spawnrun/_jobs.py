@@ -182,6 +182,10 @@ class Job:
         self.env_unset: list[str] = []
         #: Executions of the test by earlier children (crash reruns).
         self.executions = 0
+        #: Booted unclaimed (the dispatcher's ``Start.deferred``): ``devices`` is what it
+        #: sees, ``claimed`` stays empty until its go; what its boot touched.
+        self.deferred = False
+        self.boot_touched = ""
         #: For the run summary: children started, crashes, timeouts, peak device memory.
         self.children_started = 0
         self.crashes = 0
@@ -254,6 +258,19 @@ class Job:
             k: v for k, v in now.items() if self.environ.get(k) != v and k not in protected
         }
         self.env_unset = [k for k in self.environ if k not in now and k not in protected]
+
+    def assign(self, devices: list[str]) -> None:
+        """An unclaimed child's devices at its go: claimed from now on; its visibility
+        variables are changed before its test where they differ from what it saw."""
+        before = self.env()
+        if self.plan.every:
+            self.claimed = list(devices)
+        else:
+            self.devices = self.claimed = list(devices)
+        after = self.env()
+        self.env_set.update({k: v for k, v in after.items() if before.get(k) != v})
+        self.env_unset += [k for k in before if k not in after and k not in self.env_unset]
+        self.deferred = False
 
     def go(self) -> None:
         """Devices and a slot are ours: run now if booted, else as soon as booted."""
@@ -356,6 +373,7 @@ class Job:
                 self.refusals[self.plan.scope] = msg.not_a_template
                 self.template_pid = 0  # it runs its test itself
             self.boot_seconds = time.monotonic() - self.started - msg.waited
+            self.boot_touched = msg.touched
             if self.state is State.BOOTING:
                 self._send_go()
             elif self.state is State.AHEAD:

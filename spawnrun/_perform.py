@@ -38,7 +38,7 @@ class Performer(Units):
 
     def _claim(self, action: ev.Start) -> bool:
         """Take the ledger's claim for a child about to start; False: a peer has them."""
-        if self.ledger is None or not action.devices:
+        if self.ledger is None or not action.devices or action.deferred:
             return True
         need = self.core.children[action.child].need
         if not self.ledger.take_exact(list(action.devices), need, self._token(action.child)):
@@ -136,6 +136,8 @@ class Performer(Units):
             return
         job = self._job_of(action.test)
         self._place(job, action.devices, list(action.members))
+        if action.deferred:  # it sees its guessed devices but claims none until its go
+            job.deferred, job.claimed = True, []
         unit.job = job
         job.start()
         self.graveyard.extend(job.take_retired())
@@ -179,6 +181,9 @@ class Performer(Units):
         if unit is None:
             return
         if unit.job is not None and unit.job.item.nodeid == action.test:
+            if unit.job.deferred:
+                unit.job.assign(list(action.devices))
+                unit.devices = action.devices
             if not unit.job.granted:
                 self._grant(unit.job)
             return

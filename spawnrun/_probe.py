@@ -153,6 +153,42 @@ def _reset_primary_contexts(lib: ctypes.CDLL) -> None:
             reset(device)
 
 
+def boot_touch() -> str:
+    """What this process did to its devices so far: "context" (device memory: torch's
+    CUDA initialized, or a primary context active), "driver" (``cuInit`` ran, as
+    ``torch.cuda.is_available()`` does, but nothing holds memory) or ""."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    if cuda is not None:
+        with contextlib.suppress(Exception):
+            if cuda.is_initialized() or cuda._is_in_bad_fork():
+                return "context"
+    if not cuda_driver_initialized():
+        return ""
+    for lib in _mapped_cuda():
+        try:
+            if _active_primary_context(lib):
+                return "context"
+        except (OSError, AttributeError):
+            return "context"  # mapped but cannot be asked: assume the worst
+    return "driver"
+
+
+def _active_primary_context(lib: ctypes.CDLL) -> bool:
+    count = ctypes.c_int(0)
+    if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
+        return False
+    for ordinal in range(count.value):
+        device = ctypes.c_int(0)
+        if lib.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
+            return True
+        flags, active = ctypes.c_uint(0), ctypes.c_int(0)
+        if lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)):
+            return True
+        if active.value:
+            return True
+    return False
+
+
 def cuda_driver_initialized() -> bool:
     """Whether cuInit ran in this process, asked of the driver without initializing it.
 

@@ -101,6 +101,8 @@ class Booted:
     not_a_template: str = ""
     #: Seconds it waited, collected, to be told its test (``Assign``): not boot time.
     waited: float = 0.0
+    #: What its boot did to the devices it saw (``_probe.boot_touch``).
+    touched: str = ""
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
+from spawnrun import _boots
 from spawnrun import _devices
 from spawnrun import _early
+from spawnrun import _inventory
 from spawnrun import _packing
 from spawnrun import _runner
 from spawnrun._ending import EXIT_KILL
@@ -91,6 +93,9 @@ class Units(Loop):
 
     # The dispatcher ------------------------------------------------------------------
 
+    def has_core(self) -> bool:
+        return self._core is not None
+
     @property
     def core(self) -> Dispatcher:
         if self._core is None:
@@ -108,9 +113,22 @@ class Units(Loop):
                     exit_grace=EXIT_KILL + _BACKSTOP,
                     kill_grace=_BACKSTOP,
                     settle=settle,
+                    defer=self._may_defer(),
+                    boots=_boots.load(self.config) if self.config is not None else (),
                 )
             )
         return self._core
+
+    def _may_defer(self) -> bool:
+        """Whether children may boot unclaimed: not under xdist (a claim is the ledger's
+        at a child's start), and on NVIDIA devices (what a boot touched is asked of the
+        CUDA driver)."""
+        if self.ledger is not None or not self.allocator.ids:
+            return False
+        try:
+            return _inventory.active().vendor == "nvidia"
+        except Exception:  # noqa: BLE001 - no inventory: nothing to defer
+            return False
 
     def _forget_early(self, unit: Unit) -> None:
         if unit.early is not None and unit.early in self.early.waiting:
@@ -155,7 +173,7 @@ class Units(Loop):
                 out.append(ev.Refused(now, cid, why or "its forkserver is off"))
             if not unit.booted and job.state in (State.WAITING, State.RUNNING, State.DUMPING):
                 unit.booted = True
-                out.append(ev.Booted(now, cid))
+                out.append(ev.Booted(now, cid, job.boot_touched))
             if job.state is State.DONE:
                 unit.job, unit.last = None, job
                 if job.ending is None:  # it could never be started

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from spawnrun import _boots
 from spawnrun import _bytecode
 from spawnrun import _child
 from spawnrun import _cudawatch
@@ -446,6 +447,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:
         return
+    if scheduler.has_core() and not _xdist_worker():
+        _boots.store(config, scheduler.core.boots)
     if exitstatus == pytest.ExitCode.INTERRUPTED:
         scheduler.interrupted = scheduler.running()  # named in the summary
         scheduler.kill_all()

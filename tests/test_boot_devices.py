@@ -276,3 +276,58 @@ def test_environment_changed_by_an_earlier_test_reaches_children(pytester, monke
     rows = [json.loads((records / f"{i}.json").read_text()) for i in range(3)]
     assert [(r["flag"], r["gone"]) for r in rows] == [("on", None)] * 3
     assert {r["at_import"] for r in rows} <= {None, "on"}
+
+
+# A child whose boot touches no device boots while the test before it runs alone there.
+ALONE_TESTS = """
+import json, os, time
+import pytest
+import spawnrun
+
+IMPORTED = time.time()
+if spawnrun.is_child():
+    time.sleep(1.0)  # a slow boot (torch and the library, in a real suite)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("i", range(4))
+def test_alone(i):
+    start = time.time()
+    time.sleep(1.0)
+    row = {"i": i, "imported": IMPORTED, "start": start, "end": time.time(),
+           "env": os.environ.get("CUDA_VISIBLE_DEVICES"), "pid": os.getpid()}
+    with open(os.path.join(os.environ["SPAWNRUN_DEMO_RECORDS"], f"{i}.json"), "w") as f:
+        json.dump(row, f)
+"""
+
+
+def test_the_next_exclusive_test_boots_while_the_one_before_runs(pytester, monkeypatch):
+    """Four tests alone on one GPU: once the file's first boot showed it touches no
+    device, the next children boot (unclaimed) while the test before runs, and each
+    starts once the device is free; none overlaps another. Before, a child held its
+    claim from its start, so each boot began only after the test before had ended."""
+    pytester.makepyfile(test_alone=ALONE_TESTS)
+    records = pytester.mkdir("records")
+    monkeypatch.setenv("SPAWNRUN_DEMO_RECORDS", str(records))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--spawn-gpus",
+        "0,",
+        "--spawn-jobs",
+        "2",
+        "--spawn-lookahead",
+        "2",
+    )
+    result.assert_outcomes(passed=4)
+    rows = sorted((json.loads(p.read_text()) for p in records.iterdir()), key=lambda r: r["start"])
+    assert [r["env"] for r in rows] == ["0"] * 4
+    for before, after in zip(rows, rows[1:]):
+        assert before["end"] <= after["start"], (before, after)  # alone
+    # From the second on, each child had booted (imported its file) before the test
+    # before it ended; its test started soon after.
+    gaps = [round(a["start"] - b["end"], 2) for b, a in zip(rows, rows[1:])]
+    booted_before = [a["imported"] < b["end"] for b, a in zip(rows, rows[1:])]
+    assert booted_before[1:] == [True, True], (gaps, rows)
+    assert max(gaps[1:]) < 0.9, (gaps, rows)
