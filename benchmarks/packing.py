@@ -468,6 +468,9 @@ def plan(b: Bench) -> list[Planned]:
                 0.5 * k + 6,
                 "exclusive",
             ),
+            Planned("exclusive", "spawnrun default", [], k, 2.0 * k + 6, "exclusive"),
+            # Again, with what the first run saw of each file's boot (--warm keeps it).
+            Planned("exclusive", "spawnrun default, run 2", [], k, 2.0 * k + 6, "exclusive"),
             Planned("exclusive", FAST_EX, FAST, k, 0.9 * k + 6, "exclusive"),
         ]
     if "leak" in o.cases:

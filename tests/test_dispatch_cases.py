@@ -375,3 +375,17 @@ def test_a_boot_that_initialized_the_driver_runs_on_the_devices_it_saw() -> None
     assert all(v == ["replay"] for v in result.ends.values())
     bound = [p for p in result.procs.values() if p.deferred and p.ran]
     assert bound and all(p.devices == p.seen for p in bound)
+
+
+def test_a_test_that_never_fits_gets_no_child_booted_unclaimed() -> None:
+    """Found by the properties: a test bigger than the device, of a file known to boot
+    cleanly, got a child booted ahead unclaimed (no fit was asked); that child's death
+    then became its report, instead of "does not fit"."""
+    specs = [
+        Spec(ev.Test("small", file="f.py")),
+        Spec(ev.Test("huge", need=200 * GiB, file="f.py"), fate="boot-die"),
+    ]
+    config = _settings(jobs=1, lookahead=1, defer=True, boots=(("f.py", ""),))
+    result = World(config, specs).run()
+    assert result.ends == {"small": ["replay"], "huge": ["report:UNFIT"]}
+    assert [p.test for p in result.procs.values()] == ["small"]

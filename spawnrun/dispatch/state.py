@@ -227,6 +227,8 @@ class Run:
         make no context (so it touches no device memory before its go); not a fork."""
         if not self.settings.defer or test.template or self.wanted(test) == 0:
             return False
+        if not self.can_ever_fit(test):
+            return False  # its report says so at its turn; no child is booted for it
         return self.boots.get(test.file or test.id, ev.CONTEXT) != ev.CONTEXT
 
     def waits_for_devices(self, child: Child) -> bool:
