@@ -389,3 +389,30 @@ def test_a_test_that_never_fits_gets_no_child_booted_unclaimed() -> None:
     result = World(config, specs).run()
     assert result.ends == {"small": ["replay"], "huge": ["report:UNFIT"]}
     assert [p.test for p in result.procs.values()] == ["small"]
+
+
+@pytest.mark.parametrize("learn_early", [True, False])
+def test_what_a_child_started_while_collecting_saw_is_learned(
+    learn_early: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found on the H200 (scopes, run 23): every module's first child was started while
+    collecting, and only spawned and scope children taught what a file's boot touches,
+    so no later child of those files booted unclaimed. Four tests alone, one file."""
+    if not learn_early:
+        from spawnrun.dispatch.ends import Ends
+
+        learn = Ends._learn_boot
+
+        def spawned_only(self: Ends, child: object, touched: str) -> None:
+            if getattr(child, "kind", None) is not ev.Kind.EARLY:
+                learn(self, child, touched)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(Ends, "_learn_boot", spawned_only)
+    specs = [
+        Spec(ev.Test(f"x{i}", key="f.py", file="f.py"), duration=1.0, boot=2.5) for i in range(4)
+    ]
+    config = _settings(jobs=2, lookahead=2, early=1, settle=0.5, defer=True)
+    result = World(config, specs, expect=(("f.py", 1, None),)).run()
+    assert all(v == ["replay"] for v in result.ends.values())
+    assert result.warnings == []
+    assert (result.time < 8.5) is learn_early, result.time

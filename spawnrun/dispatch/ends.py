@@ -104,7 +104,7 @@ class Ends(Run):
     def _learn_boot(self, child: Child, touched: str) -> None:
         """What a boot of its test's file touched: later children of the file boot
         unclaimed unless it makes a context."""
-        if child.kind in (Kind.SPAWN, Kind.SCOPE) and child.test in self.tests:
+        if child.kind in (Kind.SPAWN, Kind.SCOPE, Kind.EARLY) and child.test in self.tests:
             test = self.tests[child.test].test
             self.boots[test.file or test.id] = touched
 

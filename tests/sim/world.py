@@ -335,6 +335,9 @@ class World:
         touched = ""
         if spec is not None and a.kind in (Kind.SPAWN, Kind.SCOPE):
             touched = proc.touched = spec.touches
+        elif a.kind is Kind.EARLY:  # it collects the file of the tests with its key
+            files = [s.touches for s in self.specs.values() if s.test.key == a.key]
+            touched = proc.touched = files[0] if files else ""
         if a.deferred:
             proc.seen = a.devices
             # Unclaimed, it holds device memory only if its boot makes a context.
@@ -393,7 +396,10 @@ class World:
             end, a.child, a.test, interrupt=fate == "interrupt", poisoned=fate == "poison"
         )
         self._at(end, done)
-        more = proc.kind in (Kind.SCOPE, Kind.EARLY) and proc.members[-1:] != (a.test,)
+        members = proc.members
+        if proc.kind is Kind.EARLY:  # its members came with the test it was given
+            members = tuple(self.d.children[a.child].members) or (a.test,)
+        more = proc.kind in (Kind.SCOPE, Kind.EARLY) and members[-1:] != (a.test,)
         if fate in ("linger", "unkillable") or (more and fate != "poison"):
             return  # waits for its next test, a dismissal or a kill
         self._exit(proc, end + spec.exit_after, 3 if fate == "exit-3" else 0)
