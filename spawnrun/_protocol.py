@@ -29,7 +29,7 @@ from dataclasses import field
 from dataclasses import replace
 from typing import Any
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 @dataclass(frozen=True)
