@@ -440,14 +440,19 @@ class Job:
 
         torch's reserved peak on its fullest device, or what NVML lists for its
         processes now (its context included, so less the reserve) where that is more
-        (memory held by other libraries). A test that used no device learns 0.
+        (memory held by other libraries). A test that used no device, as one of them saw
+        it, learns 0; where neither could look (no torch view, no NVML: a JAX test on a
+        host without NVML), nothing is learned: an unmeasured peak is never 0, and a test
+        with no record does not share.
         """
         if not self.claimed:
             return
-        peak = torch_peak or 0
         assert self.child is not None
         pids = self.pids | set(_runner.group_members(self.child.pid))
         held = _devices.process_memory(self.claimed, pids)
+        if torch_peak is None and held is None:
+            return
+        peak = torch_peak or 0
         if held is not None:
             peak = max(peak, held - _packing.RESERVE)
         self.replay.properties.append((LEARNED_PEAK, round(peak / 2**20, 1)))

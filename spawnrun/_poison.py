@@ -35,14 +35,30 @@ def patterns(extra: Iterable[str]) -> list[re.Pattern[str]]:
 
 
 def verdict(reports: Iterable[pytest.TestReport], found: list[re.Pattern[str]]) -> str:
-    """Why a child that produced ``reports`` must not run another test ("": it may)."""
+    """Why a child that produced ``reports`` must not run another test ("": it may).
+
+    Only the exceptions' own words count (each one's type and message, chained ones
+    too), never the traceback's source lines: a test whose comment or assertion names
+    an illegal memory access did not make one.
+    """
     for report in reports:
         if not report.failed:
             continue
-        text = report.longreprtext
+        text = "\n".join(_messages(report.longrepr))
         for pattern in found:
             match = pattern.search(text)
             if match:
                 found_text = match.group(0)
                 return f"its {report.when} failed with {found_text!r}, which breaks the process"
     return ""
+
+
+def _messages(longrepr: object) -> list[str]:
+    """The exceptions' "Type: message" texts of a failure (its text where it has none)."""
+    chain = getattr(longrepr, "chain", None)
+    if chain:
+        return [crash.message for _, crash, _ in chain if crash is not None]
+    crash = getattr(longrepr, "reprcrash", None)
+    if crash is not None:
+        return [crash.message]
+    return [str(longrepr)]

@@ -371,6 +371,41 @@ def test_which_failures_break_the_process(reports, expected):
     assert (expected in why) if expected else why == ""
 
 
+POISON_SOURCES = """
+import pytest
+
+def test_assertion_names_it():
+    # an illegal memory access would show here; this is a plain failure
+    assert 1 == 2
+
+def test_raises_it():
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+def test_chained():
+    try:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    except RuntimeError as exc:
+        raise ValueError("the model failed") from exc
+"""
+
+
+def test_only_the_exceptions_words_break_the_process(pytester):
+    """Real reports: an assertion whose source (a comment) names a poison does not count
+    (it replaced a scope's child, so the next test lost the scope's state); the raised
+    error does, chained under another one too."""
+    pytester.makepyfile(test_poison=POISON_SOURCES)
+    reports = pytester.inline_run("-p", "no:spawnrun").getreports("pytest_runtest_logreport")
+    found = _poison.patterns([])
+    by_name = {r.nodeid.split("::")[-1]: r for r in reports if r.when == "call"}
+    assert by_name["test_assertion_names_it"].failed
+    poisoned = {name: bool(_poison.verdict([r], found)) for name, r in by_name.items()}
+    assert poisoned == {
+        "test_assertion_names_it": False,
+        "test_raises_it": True,
+        "test_chained": True,
+    }
+
+
 def test_own_patterns_match_per_line():
     found = _poison.patterns(["^wedged$"])
     assert _poison.verdict([_report("failed", "E  x\nwedged\ntail")], found)
