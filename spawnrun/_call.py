@@ -242,9 +242,12 @@ def _run(
     name = _describe(fn)
     env = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
     workdir = tempfile.mkdtemp(prefix="spawnrun-call-")
+    files = _Files(workdir)
     reader, writer = _runner.CTX.Pipe(duplex=False)
     proc: Any = _runner.CTX.Process(
-        target=_call_child.main, args=(payload, writer, workdir), name=f"spawnrun.call {name}"
+        target=_call_child.main,
+        args=(payload, writer, workdir, files.unlink),
+        name=f"spawnrun.call {name}",
     )
     try:
         with _START_LOCK, _runner.child_environ(env), _runner.no_main_reimport():
@@ -253,15 +256,15 @@ def _run(
         deadline = None if limit is None else time.monotonic() + limit
         answer = _wait_answer(proc, reader, deadline)
         if answer is None:  # the deadline passed
-            _dump_stacks(proc.pid, workdir)
+            _dump_stacks(proc.pid, files.stacks)
         elif answer is not _DIED:
             wait([proc.sentinel], _EXIT_GRACE)
         # The child is gone or a zombie until join(): its pid cannot be reused yet.
         _runner.signal_pids([proc.pid, *_runner.group_members(proc.pid)], signal.SIGKILL)
         proc.join()
         if answer is None or answer is _DIED:
-            raise _failure(name, limit if answer is None else None, proc.exitcode, workdir)
-        _replay_output(workdir)
+            raise _failure(name, limit if answer is None else None, proc.exitcode, files)
+        _replay_output(files.output)
         return _unpack(name, answer)
     finally:
         if proc.pid is not None and proc.exitcode is None:  # interrupted: end it
@@ -271,10 +274,38 @@ def _run(
             end.close()
         with contextlib.suppress(ValueError):
             proc.close()
+        files.close()
         shutil.rmtree(workdir, ignore_errors=True)
 
 
 _DIED = ("died",)
+
+
+class _Files:
+    """The child's output and stacks files, which the caller holds open from the start.
+
+    Once the child has opened them it unlinks them and their directory (``unlink``,
+    where ``/proc/self/fd`` can reopen a file that has no name), so a caller killed with
+    SIGKILL, whose child dies with it, leaves nothing in the temporary directory; the
+    caller reads them through its own descriptors.
+    """
+
+    def __init__(self, workdir: str) -> None:
+        self.unlink = os.path.isdir("/proc/self/fd")
+        self.fds: list[int] = []
+        paths = []
+        for name in ("output.log", "stacks.txt"):
+            path = os.path.join(workdir, name)
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o600)
+            self.fds.append(fd)
+            paths.append(f"/proc/self/fd/{fd}" if self.unlink else path)
+        self.output, self.stacks = paths
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
 
 
 def _wait_answer(proc: Any, reader: Connection, deadline: float | None) -> Any:
@@ -294,11 +325,10 @@ def _wait_answer(proc: Any, reader: Connection, deadline: float | None) -> Any:
             return _DIED
 
 
-def _dump_stacks(pid: int, workdir: str) -> None:
+def _dump_stacks(pid: int, path: str) -> None:
     """Ask the child's faulthandler for every thread's stack; wait until it is written."""
     from spawnrun._reports import size_of
 
-    path = os.path.join(workdir, "stacks.txt")
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGUSR1)
     end = time.monotonic() + _DUMP_LIMIT
@@ -311,7 +341,7 @@ def _dump_stacks(pid: int, workdir: str) -> None:
         size = now
 
 
-def _failure(name: str, limit: float | None, code: int | None, workdir: str) -> CallFailed:
+def _failure(name: str, limit: float | None, code: int | None, files: _Files) -> CallFailed:
     if limit is not None:
         kind: type[CallFailed] = CallTimeout
         text = f"spawnrun.call: {name} did not return within the timeout ({limit:g} s); killed"
@@ -320,8 +350,8 @@ def _failure(name: str, limit: float | None, code: int | None, workdir: str) -> 
         text = f"spawnrun.call: the child running {name} {_death(code)} before returning"
     from spawnrun._reports import tail
 
-    stacks = tail(Path(workdir, "stacks.txt"))
-    output = tail(Path(workdir, "output.log"))
+    stacks = tail(Path(files.stacks))
+    output = tail(Path(files.output))
     for title, body in ((STACKS, stacks), (OUTPUT, output)):
         if body:
             text += f"\n--- {title} ---\n{body}"
@@ -335,10 +365,10 @@ def _death(code: int | None) -> str:
     return f"was {killed}" if killed else f"exited with status {code}"
 
 
-def _replay_output(workdir: str) -> None:
+def _replay_output(path: str) -> None:
     """What the child printed, onto the caller's stdout (captured by pytest in a test)."""
     try:
-        with open(os.path.join(workdir, "output.log"), encoding="utf-8", errors="replace") as f:
+        with open(path, encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
         return

@@ -19,7 +19,7 @@ from typing import Any
 from spawnrun import _probe
 
 
-def main(payload: bytes, conn: Connection, workdir: str) -> None:
+def main(payload: bytes, conn: Connection, workdir: str, unlink: bool = False) -> None:
     """The child: isolate, run the function, send what came of it, exit normally.
 
     Returning lets multiprocessing end the interpreter the normal way, so the function's
@@ -43,6 +43,11 @@ def main(payload: bytes, conn: Connection, workdir: str) -> None:
     stacks = os.open(os.path.join(workdir, "stacks.txt"), os.O_WRONLY | os.O_CREAT, 0o600)
     faulthandler.enable(file=stacks, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True, chain=False)
+    if unlink:  # the caller holds them open: nothing is left if both are killed
+        with contextlib.suppress(OSError):
+            for name in ("output.log", "stacks.txt"):
+                os.unlink(os.path.join(workdir, name))
+            os.rmdir(workdir)
     answer: tuple[Any, ...]
     try:
         fn, args, kwargs, filename = pickle.loads(payload)

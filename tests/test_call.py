@@ -373,7 +373,12 @@ def test_timeout_values(timeout, limit):
     assert _call._limit(timeout) == limit
 
 
-def test_child_dies_with_its_caller(tmp_path):
+def test_child_dies_with_its_caller(tmp_path, monkeypatch):
+    """...and leaves nothing in the temporary directory (its output and stacks files
+    lived there until the caller, which cleans up, was killed)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     script = tmp_path / "caller.py"
     script.write_text(
         textwrap.dedent(
@@ -410,3 +415,4 @@ def test_child_dies_with_its_caller(tmp_path):
     except psutil.TimeoutExpired:
         child.kill()
         pytest.fail("the child outlived its SIGKILLed caller")
+    assert list(temp.iterdir()) == []
