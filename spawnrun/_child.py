@@ -22,6 +22,7 @@ import pickle
 import sys
 import time
 import traceback
+import types
 from multiprocessing.connection import Connection
 from typing import IO
 from typing import Any
@@ -210,6 +211,7 @@ class _Relay:
         # since plugins (pytest-timeout, --setup-show) write through it, but without its
         # own per-test lines, and into a file (see _Sink).
         pm = config.pluginmanager
+        pm.register(self._suite_property_plugin(), "spawnrun-suite-property")
         # A spawned test is never forked again (pytest-forked's --forked or marker):
         # its process is the fresh one this child is, which a fork would undo.
         for name in FORKING_PLUGINS:
@@ -258,17 +260,26 @@ class _Relay:
 
         return add_attribute
 
-    @pytest.fixture(scope="session")
-    def record_testsuite_property(self) -> Any:
-        """pytest's fixture, sending the property to the parent, whose junitxml writes it."""
+    def _suite_property_plugin(self) -> Any:
+        """pytest's ``record_testsuite_property``, sending the property to the parent,
+        whose junitxml writes it. A session fixture may not be an instance method
+        (pytest 9.2 warns, an error under ``filterwarnings = error``): it is a plain
+        function of a plugin module of its own."""
+        send = self.send
 
-        def record(name: str, value: object) -> None:
-            __tracebackhide__ = True
-            if not isinstance(name, str):
-                raise TypeError(f"name parameter needs to be a string, but {type(name)} given")
-            self.send(proto.SuiteProperty(name, str(value)))
+        @pytest.fixture(scope="session")
+        def record_testsuite_property() -> Any:
+            def record(name: str, value: object) -> None:
+                __tracebackhide__ = True
+                if not isinstance(name, str):
+                    raise TypeError(f"name parameter needs to be a string, but {type(name)} given")
+                send(proto.SuiteProperty(name, str(value)))
 
-        return record
+            return record
+
+        plugin = types.ModuleType("spawnrun_suite_property")  # fixtures of a module
+        plugin.record_testsuite_property = record_testsuite_property  # type: ignore[attr-defined]
+        return plugin
 
     def pytest_internalerror(self, excrepr: Any) -> None:
         # Kept for the parent: an error before this plugin's own pytest_configure ran (a

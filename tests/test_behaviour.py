@@ -839,6 +839,10 @@ def test_faulthandler_timeout_dumps_the_child_not_the_parent(pytester):
 
 
 def test_testsuite_property_recorded_in_a_child_reaches_junitxml(pytester):
+    """Under ``filterwarnings = error`` too: the child's own fixture was a session-scoped
+    instance method, which pytest 9.2 warns of (the test errored, where in-process it
+    passes)."""
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
     pytester.makepyfile(
         """
         import pytest
