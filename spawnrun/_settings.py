@@ -699,9 +699,16 @@ def source_of(config: pytest.Config, name: str, environ: Mapping[str, str] | Non
 
 
 def marked(item: pytest.Item, settings: Settings) -> bool:
-    """Whether the test carries the spawn marker (or ``forked``, standing in for it)."""
+    """Whether the test carries the spawn marker (or ``forked``, standing in for it).
+
+    Under ``--spawn-gpu`` every test is spawned: ``forked`` then stands in for nothing,
+    and its tests are planned as unmarked ones (seeing what the parent sees, as under
+    pytest-forked), so they share a scope's child with them.
+    """
     if item.get_closest_marker(settings.marker) is not None:
         return True
+    if settings.spawn_gpu:
+        return False
     return settings.forked_alias and item.get_closest_marker(FORKED) is not None
 
 

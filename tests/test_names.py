@@ -154,6 +154,31 @@ def test_forked_marker_spawns_without_pytest_forked(pytester):
     markers.fnmatch_lines(["@pytest.mark.forked: *spawnrun*"])
 
 
+MIGRATING_SUITE = """
+import os, pytest, spawnrun
+
+@pytest.mark.forked
+def test_was_forked():
+    assert spawnrun.is_child()
+
+def test_plain():
+    assert spawnrun.is_child()
+"""
+
+
+def test_forked_marker_with_spawn_gpu_and_a_module_scope_is_no_usage_error(pytester):
+    """The migration path from pytest-forked: under --spawn-gpu every test is spawned,
+    so ``forked`` stands in for nothing and its tests share the module's child with the
+    unmarked ones (it was a usage error: "0, alone against every GPU, alone", even with
+    no GPU at all)."""
+    pytester.makepyfile(MIGRATING_SUITE)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-gpu", "--spawn-scope", "module", "--spawn-gpus", "none"
+    )
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*2 tests isolated in 1 child*"])
+
+
 def test_forked_marker_is_left_to_pytest_forked(pytester):
     # Stands in for pytest-forked (same plugin name): its marker stays its own.
     pytester.makepyfile(
