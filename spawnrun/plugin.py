@@ -454,6 +454,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         scheduler.kill_all()
     else:
         scheduler.finish()  # children still exiting, reaping or settling
+    workeroutput = getattr(config, "workeroutput", None)
+    if isinstance(workeroutput, dict):  # an xdist worker: its controller prints it
+        workeroutput[WORKER_SUMMARY] = _summary_lines(config)
     holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         holder.close()
@@ -477,12 +480,35 @@ def _store_peaks(config: pytest.Config) -> None:
     cache.set(CACHE_PEAKS, merged)
 
 
+#: Under xdist: each worker's summary lines, sent in its ``workeroutput``.
+WORKER_SUMMARY = "spawnrun_summary"
+WORKER_SUMMARIES_KEY = pytest.StashKey[dict[str, list[str]]]()
+
+
+def _summary_lines(config: pytest.Config) -> list[str]:
+    scheduler = config.stash.get(SCHEDULER_KEY, None)
+    settings = config.stash.get(SETTINGS_KEY, None)
+    auto = settings is not None and settings.pack == "auto"
+    return scheduler.summary(list_alone=auto) if scheduler is not None else []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """xdist's controller: keep what a worker's spawned tests came to, for the summary."""
+    lines = getattr(node, "workeroutput", {}).get(WORKER_SUMMARY)
+    if isinstance(lines, list) and lines:
+        worker = str(getattr(node, "workerinput", {}).get("workerid", "?"))
+        summaries = node.config.stash.setdefault(WORKER_SUMMARIES_KEY, {})
+        summaries[worker] = [str(line) for line in lines]
+
+
 @pytest.hookimpl
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    scheduler = terminalreporter.config.stash.get(SCHEDULER_KEY, None)
-    settings = terminalreporter.config.stash.get(SETTINGS_KEY, None)
-    auto = settings is not None and settings.pack == "auto"
-    lines = scheduler.summary(list_alone=auto) if scheduler is not None else []
+    config = terminalreporter.config
+    scheduler = config.stash.get(SCHEDULER_KEY, None)
+    lines = _summary_lines(config)
+    for worker, theirs in sorted(config.stash.get(WORKER_SUMMARIES_KEY, {}).items()):
+        lines += [f"[{worker}] {line}" for line in theirs]
     if lines:
         terminalreporter.write_sep("-", "spawnrun")
         for line in lines:

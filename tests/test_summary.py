@@ -113,3 +113,19 @@ def test_summary_counts_a_child_that_died_booting_ahead(pytester, args, outcomes
     result.assert_outcomes(**outcomes)
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     result.stdout.fnmatch_lines(["*- spawnrun -*", first, "1 crashed"])
+
+
+def test_each_xdist_worker_says_what_its_spawned_tests_came_to(pytester):
+    """Under -n 2 the run summary was missing entirely: each worker keeps its own, and
+    the controller prints them, one line each, named by the worker."""
+    pytester.makepyfile(
+        "import pytest\n\n@pytest.mark.gpu(count=0)\n@pytest.mark.parametrize('i', range(4))\n"
+        "def test_g(i):\n    pass\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(["*- spawnrun -*"])
+    lines = [line for line in result.stdout.lines if "isolated in" in line]
+    assert sorted(line.split()[0] for line in lines) == ["[gw0]", "[gw1]"], lines
+    isolated = sum(int(line.split()[1]) for line in lines)
+    assert isolated == 4, lines
