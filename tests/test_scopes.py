@@ -444,3 +444,39 @@ def test_a_child_that_keeps_too_much_device_memory_is_replaced(suite, fake_torch
         )
     else:
         result.stdout.no_fnmatch_line(f"*{REPLACED_TITLE}*")
+
+
+STOPPED_SCOPE = """
+import os, pytest
+
+@pytest.fixture(scope="module")
+def resource():
+    yield 1
+    with open(os.environ["TORN_DOWN"], "w") as f:
+        f.write(str(os.getpid()))
+
+pytestmark = pytest.mark.gpu(count=0)
+
+def test_a(resource):
+    pass
+
+def test_b(resource):
+    assert False
+
+def test_c(resource):
+    pass
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_stopped_run_still_tears_down_its_scope(pytester, monkeypatch, method):
+    """-x stops the run after test_b: the module's child, idle between tests, is let go
+    (not killed), so the module fixture's teardown runs, as in-process."""
+    marker = pytester.path / "torn-down"
+    monkeypatch.setenv("TORN_DOWN", str(marker))
+    pytester.makepyfile(test_stop=STOPPED_SCOPE)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-x", "--spawn-scope", "module", "--spawn-method", method
+    )
+    result.assert_outcomes(passed=1, failed=1)
+    assert marker.exists() and marker.read_text().isdigit()
