@@ -291,9 +291,22 @@ def pytest_collect_file(
 ) -> Generator[None, list[pytest.Collector], list[pytest.Collector]]:
     collectors = yield
     # Listed, not yet imported: a child may import it beside the parent (``_early``).
-    if any(isinstance(c, pytest.Module) for c in collectors):
+    if any(isinstance(c, pytest.Module) for c in collectors) and _asked_for(parent, file_path):
         _boot_early(parent.config, file_path)
     return collectors
+
+
+def _asked_for(parent: pytest.Collector, path: Path) -> bool:
+    """Whether pytest will collect ``path``: it is, or lies below, a path it was given.
+
+    pytest (8 on) lists a directory's every file, through this hook, before it keeps
+    only those the command line names (``pytest test_zz.py`` lists ``test_aa.py`` too):
+    a child must never import a file pytest itself will not.
+    """
+    given = getattr(parent.session, "_initialpaths", None)
+    if not given:
+        return True  # unknown: as before
+    return any(path == p or p in path.parents for p in given)
 
 
 def _boot_early(config: pytest.Config, path: Path) -> None:

@@ -144,6 +144,36 @@ def test_a_child_started_for_other_devices_or_no_selected_test_runs_nothing(pyte
     )
 
 
+SIBLING = """
+import os
+import pytest
+
+with open(os.environ["EARLY_RAN"], "a") as f:
+    f.write(f"imported {os.getpid()}\\n")
+
+
+@pytest.mark.gpu
+def test_sibling():
+    pass
+"""
+
+
+def test_a_file_the_command_line_does_not_name_gets_no_child(pytester, monkeypatch):
+    """``pytest test_b.py``: pytest lists test_a.py too (through pytest_collect_file)
+    but never imports it; no child may import it either (its import-time code ran in a
+    child started for it while collecting)."""
+    pytester.makepyfile(test_a_sibling=SIBLING, test_b_two=WRONG_GUESS)
+    ran = pytester.path / "ran.txt"
+    monkeypatch.setenv("EARLY_RAN", str(ran))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-lookahead", "2", "--spawn-gpus", "0,1", "test_b_two.py"
+    )
+    result.assert_outcomes(passed=1)
+    lines = ran.read_text().splitlines()
+    assert len(lines) == 1 and lines[0].isdigit(), lines  # test_two ran; nobody imported a
+    result.stdout.fnmatch_lines(["1 child started while collecting*"])
+
+
 class _StandIn:
     def __init__(self) -> None:
         self.gone = False
