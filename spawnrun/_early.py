@@ -104,9 +104,9 @@ def _dismiss(early: EarlyChild) -> _runner.ChildProcess:
     return early.child
 
 
-#: A file's first spawned test, as a guess: (marked, its device count; None: the
-#: marker's default count).
-Guess = tuple[bool, "int | None"]
+#: A file's first spawned test, as a guess: (marked, its device count, None: the
+#: marker's default count; its budget in bytes, None: none; where the budget came from).
+Guess = tuple[bool, "int | None", "int | None", str]
 
 
 def guess(path: Path, marker: str, remembered: dict[str, Guess], rootdir: Path) -> Guess | None:
@@ -125,7 +125,7 @@ def guess(path: Path, marker: str, remembered: dict[str, Guess], rootdir: Path) 
         return None
     if re.search(rf"\bmark\.{re.escape(marker)}\b", text) is None:
         return None
-    return (True, None)
+    return (True, None, None, "")
 
 
 def remembered(config: Any) -> dict[str, Guess]:
@@ -136,15 +136,18 @@ def remembered(config: Any) -> dict[str, Guess]:
         return {}
     out: dict[str, Guess] = {}
     for path, value in found.items():
-        if isinstance(value, list) and len(value) == 2 and isinstance(value[1], int):
-            out[str(path)] = (bool(value[0]), value[1])
+        if not (isinstance(value, list) and len(value) in (2, 4) and isinstance(value[1], int)):
+            continue
+        need, source = (value[2], value[3]) if len(value) == 4 else (None, "")
+        if (need is None or isinstance(need, int)) and isinstance(source, str):
+            out[str(path)] = (bool(value[0]), value[1], need, source)
     return out
 
 
-def remember(
-    config: Any, spawned: Mapping[Path, tuple[bool, int]], collected: Iterable[Path]
-) -> None:
-    """Keep what each collected file's first spawned test needed; others' entries stay."""
+def remember(config: Any, spawned: Mapping[Path, Guess], collected: Iterable[Path]) -> None:
+    """Keep what each collected file's first spawned test needed (its devices and
+    budget: a child started for the file serves it only with the same environment);
+    other files' entries stay."""
     cache = getattr(config, "cache", None)
     if cache is None:
         return
@@ -152,9 +155,9 @@ def remember(
     before = remembered(config)
     seen = {_relative(p, rootdir) for p in collected}
     now = {k: v for k, v in before.items() if k not in seen}
-    now.update({_relative(p, rootdir): (bool(m), int(c)) for p, (m, c) in spawned.items()})
+    now.update({_relative(p, rootdir): guess for p, guess in spawned.items()})
     if now != before:
-        cache.set(SPAWNED_KEY, {k: [m, c] for k, (m, c) in sorted(now.items())})
+        cache.set(SPAWNED_KEY, {k: list(v) for k, v in sorted(now.items())})
 
 
 def _relative(path: Path, rootdir: Path) -> str:

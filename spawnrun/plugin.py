@@ -14,6 +14,7 @@ import shutil
 import signal
 import threading
 from collections.abc import Generator
+from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -324,7 +325,7 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     if REMEMBERED_KEY not in config.stash:
         config.stash[REMEMBERED_KEY] = _early.remembered(config)
     guess = _early.guess(path, settings.marker, config.stash[REMEMBERED_KEY], config.rootpath)
-    marked, count = guess or (False, 0)
+    marked, count, need, source = guess or (False, 0, None, "")
     if not (marked or settings.spawn_gpu):
         return  # an unmarked test spawns with --spawn-gpu only
     if count is None:
@@ -334,6 +335,8 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     if marked and count > len(ids):
         return  # such tests are skipped here (a machine without GPUs, say)
     plan = _plan_from(marked, count, settings, {}, ids, capacity, None, None)
+    if need is not None:  # the budget the file's first spawned test had last time
+        plan = replace(plan, need=need, budget_source=source, alone_because="")
     scheduler.expect(str(path), plan)  # the dispatcher decides whether, and where
 
 
@@ -341,11 +344,12 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is not None:
-        spawned: dict[Path, tuple[bool, int]] = {}
+        spawned: dict[Path, _early.Guess] = {}
         for item in session.items:
             if item.path not in spawned and _spawns(item):  # the file's first spawned test
                 plan = _plan_of(item)
-                spawned[item.path] = (not plan.every, plan.count)
+                need = None if plan.need is _packing.ALONE else plan.need
+                spawned[item.path] = (not plan.every, plan.count, need, plan.budget_source)
         settings = session.config.stash[SETTINGS_KEY]
         in_process = settings.no_spawn or settings.forced_inprocess
         # Not from a worker (it writes no cache; the controller collects none), nor

@@ -158,6 +158,31 @@ def test_sibling():
 """
 
 
+BUDGETED = """
+import pytest
+
+
+@pytest.mark.gpu(memory="1GiB")
+@pytest.mark.parametrize("i", range(2))
+def test_budgeted(i):
+    pass
+"""
+
+
+def test_a_file_whose_first_test_has_a_budget_is_served_by_its_child_next_time(pytester):
+    """The guess kept only (marked, count): a child started for a file whose first test
+    has a budget had another environment (no budget variables) and was always dismissed.
+    Now its budget is remembered too: the next run's child serves it."""
+    pytester.makepyfile(test_budgeted=BUDGETED)
+    args = ["--spawn-lookahead", "2", "--spawn-gpus", "0,", "--spawn-gpu-memory", "80GiB"]
+    first = pytester.runpytest_subprocess(*args)
+    first.assert_outcomes(passed=2)
+    first.stdout.fnmatch_lines(["1 child started while collecting (0 used)"])
+    second = pytester.runpytest_subprocess(*args)
+    second.assert_outcomes(passed=2)
+    second.stdout.fnmatch_lines(["1 child started while collecting (1 used)"])
+
+
 def test_a_file_the_command_line_does_not_name_gets_no_child(pytester, monkeypatch):
     """``pytest test_b.py``: pytest lists test_a.py too (through pytest_collect_file)
     but never imports it; no child may import it either (its import-time code ran in a
@@ -258,14 +283,18 @@ class _Cache:
 def test_what_is_remembered_is_what_each_files_first_spawned_test_needed(tmp_path):
     config = type("Config", (), {"cache": _Cache(), "rootpath": tmp_path})()
     a, b, c = (tmp_path / f"test_{n}.py" for n in "abc")
-    _early.remember(config, {a: (True, 2), b: (False, 0)}, [a, b, c])
-    assert _early.remembered(config) == {"test_a.py": (True, 2), "test_b.py": (False, 0)}
+    budget = (True, 1, 2**30, "memory='1GiB'")
+    _early.remember(config, {a: (True, 2, None, ""), b: budget}, [a, b, c])
+    assert _early.remembered(config) == {"test_a.py": (True, 2, None, ""), "test_b.py": budget}
     _early.remember(config, {}, [b])  # b collected again, nothing of it spawned
-    assert _early.remembered(config) == {"test_a.py": (True, 2)}  # a not collected: kept
+    assert _early.remembered(config) == {"test_a.py": (True, 2, None, "")}  # a kept
     c.write_text("def test_c():\n    pass\n")
     known = _early.remembered(config)
-    assert _early.guess(a, "gpu", known, tmp_path) == (True, 2)
+    assert _early.guess(a, "gpu", known, tmp_path) == (True, 2, None, "")
     assert _early.guess(c, "gpu", known, tmp_path) is None
     c.write_text("import pytest\n\n@pytest.mark.gpu\ndef test_c():\n    pass\n")
-    assert _early.guess(c, "gpu", {}, tmp_path) == (True, None)  # the marker's default
+    assert _early.guess(c, "gpu", {}, tmp_path) == (True, None, None, "")  # the default
+    # A record of an earlier version (marked, count) still reads, as no budget.
+    config.cache.set(_early.SPAWNED_KEY, {"test_a.py": [True, 2]})
+    assert _early.remembered(config) == {"test_a.py": (True, 2, None, "")}
     assert _early.guess(c, "gpux", {}, tmp_path) is None
