@@ -12,6 +12,7 @@ import faulthandler
 import os
 import shutil
 import signal
+import stat
 import threading
 from collections.abc import Generator
 from dataclasses import replace
@@ -270,14 +271,43 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 def _pycache_dir(config: pytest.Config) -> str:
-    """Where children keep their bytecode: pytest's cache, else this run's temp dir."""
+    """Where children keep their bytecode: pytest's cache, else this run's temp dir.
+
+    Bytecode is code every child runs: the cache's directory is used only if it is a
+    real directory of this user that nobody else may write (a link, another owner or
+    write access for others could plant code), as the ledger's directory is checked.
+    """
     cache = getattr(config, "cache", None)
     if cache is not None:
         with contextlib.suppress(OSError):
-            return str(cache.mkdir("spawnrun-pycache"))
+            directory = cache.mkdir("spawnrun-pycache")
+            problem = _not_private(directory)
+            if not problem:
+                return str(directory)
+            config.issue_config_time_warning(
+                pytest.PytestWarning(
+                    f"spawnrun: not keeping children's bytecode in {directory}: it {problem}; "
+                    "this run's own temporary directory is used instead"
+                ),
+                stacklevel=2,
+            )
     directory = _runner.parent_basetemp(config) / "spawnrun" / "pycache"
     directory.mkdir(parents=True, exist_ok=True)
     return str(directory)
+
+
+def _not_private(directory: Path) -> str:
+    """Why ``directory`` may not hold code every child runs ("": it may)."""
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid != os.getuid():
+        return "belongs to another user"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "may be written by other users"
+    return ""
 
 
 @pytest.hookimpl

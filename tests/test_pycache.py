@@ -98,3 +98,26 @@ def test_bytecode_already_compiled_next_to_its_source_is_read_there(pytester, mo
     assert [p.name for p in kept.rglob("readylib*.pyc")] == []
     assert len(list(kept.rglob("slowlib*.pyc"))) == 1  # it had none: kept for children
     assert {p.name: p.stat().st_mtime_ns for p in compiled.iterdir()} == before
+
+
+@pytest.mark.parametrize("planted", ["link", "writable"])
+def test_a_bytecode_directory_others_could_plant_code_in_is_refused(pytester, monkeypatch, planted):
+    """The cache's bytecode directory is code every child runs: a link to elsewhere, or
+    a directory others may write, is not used (a warning says so); the children keep
+    their bytecode in the run's own temporary directory."""
+    libs, seen = _no_bytecode(pytester, monkeypatch)
+    pytester.makepyfile(test_suite=SUITE)
+    cache_dir = pytester.path / ".pytest_cache" / "d"
+    cache_dir.mkdir(parents=True)
+    elsewhere = pytester.mkdir("elsewhere")
+    if planted == "link":
+        (cache_dir / "spawnrun-pycache").symlink_to(elsewhere, target_is_directory=True)
+    else:
+        (cache_dir / "spawnrun-pycache").mkdir()
+        (cache_dir / "spawnrun-pycache").chmod(0o777)
+    result = pytester.runpytest_subprocess("-W", "default")
+    result.assert_outcomes(passed=2, warnings=1)
+    why = "is a symbolic link" if planted == "link" else "may be written by other users"
+    result.stdout.fnmatch_lines([f"*not keeping children's bytecode in*: it {why}*"])
+    assert list(elsewhere.rglob("*.pyc")) == []
+    assert list((cache_dir / "spawnrun-pycache").rglob("*.pyc")) == []
