@@ -138,6 +138,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # Also when a later plugin's configure fails and no session ever finishes.
         config.add_cleanup(lambda: shutil.rmtree(ledger_dir, ignore_errors=True))
     config.stash[SETTINGS_KEY] = settings
+    _warn_fast_mode_only(config, settings)
     config.stash[INVENTORY_KEY] = inventory
     config.stash[CAPACITY_KEY] = capacity
     global _peaks
@@ -168,6 +169,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
     _install_sigterm(config)
+
+
+def _warn_fast_mode_only(config: pytest.Config, settings: _settings.Settings) -> None:
+    """Settings that only fast mode reads, set where it is off, say they do nothing."""
+    if settings.method == "forkserver" or settings.no_spawn or settings.forced_inprocess:
+        return
+    for name in ("template", "preload"):
+        source = _settings.source_of(config, name)
+        if source != "the default":
+            config.issue_config_time_warning(
+                pytest.PytestWarning(
+                    f"spawnrun: {source} does nothing here: it is read in fast mode only "
+                    "(--spawn-method forkserver), and this run spawns each child"
+                ),
+                stacklevel=2,
+            )
 
 
 def _boots_early(config: pytest.Config, settings: _settings.Settings) -> bool:

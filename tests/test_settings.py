@@ -61,6 +61,33 @@ def test_timeout_precedence(ini, env, cli, expected):
     assert resolve(ini, cli, env).timeout == expected
 
 
+def test_an_empty_environment_value_counts_as_unset_as_documented():
+    """README, Configuration: an empty value leaves the setting where the lower places
+    put it (an empty CI matrix entry), never an empty setting."""
+    assert resolve({"spawn_timeout": "10"}, {}, {"SPAWNRUN_TIMEOUT": ""}).timeout == 10.0
+    assert resolve(env={"SPAWNRUN_GPUS": ""}).gpus == resolve().gpus
+    assert (
+        "An environment\nvariable or ini option set to an empty value counts as unset"
+        in (Path(__file__).parent.parent / "README.md").read_text()
+    )
+
+
+def test_fast_mode_settings_without_fast_mode_say_they_do_nothing(pytester):
+    pytester.makepyfile("import pytest\n\n@pytest.mark.gpu(count=0)\ndef test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-template", "run", "-W", "default"
+    )
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines(
+        ["*command line option --spawn-template does nothing here: it is read in fast mode*"]
+    )
+    fast = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-template", "run", "--spawn-method", "forkserver"
+    )
+    fast.assert_outcomes(passed=1)
+    fast.stdout.no_fnmatch_line("*does nothing here*")
+
+
 def test_spawn_gpu_from_each_source():
     assert resolve(ini={"spawn_gpu": "true"}).spawn_gpu is True
     assert resolve(env={"SPAWNRUN_SPAWN_GPU": "1"}).spawn_gpu is True
