@@ -298,6 +298,18 @@ SETTINGS: tuple[Setting, ...] = (
         help="Run every test in-process, spawning nothing (for pdb and breakpoints)",
     ),
     Setting(
+        name="explain",
+        cli="--spawn-explain",
+        ini=None,
+        env=None,
+        marker_kwarg=None,
+        default=False,
+        parse=parse_bool,
+        help="Say, for each selected test, where and how it would run (spawned or not, "
+        "devices, budget and its source, why alone, scope or template, whether its child "
+        "boots unclaimed), and run nothing",
+    ),
+    Setting(
         name="count",
         cli=None,
         ini=None,
@@ -595,6 +607,7 @@ class Settings:
     group: str | None = None
     poison: tuple[str, ...] = ()
     scope_memory: int | None = None
+    explain: bool = False
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""
     #: Whether ``@pytest.mark.forked`` spawns (pytest-forked is not there to own it).

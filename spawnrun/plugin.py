@@ -29,6 +29,7 @@ from spawnrun import _cudawatch
 from spawnrun import _devices
 from spawnrun import _drive
 from spawnrun import _early
+from spawnrun import _explain
 from spawnrun import _forkserver
 from spawnrun import _inventory
 from spawnrun import _jobs
@@ -147,7 +148,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if lookahead is None:
         lookahead = _settings.default_lookahead()
     holder = None
-    if settings.method == "forkserver" and not _xdist_controller(config):
+    if settings.method == "forkserver" and not _xdist_controller(config) and not settings.explain:
         holder = config.stash[_starting.ZYGOTE_KEY] = _forkserver.ZygoteHolder(
             list(settings.preload)
         )
@@ -196,7 +197,7 @@ def _boots_early(config: pytest.Config, settings: _settings.Settings) -> bool:
     spawned (the zygote is not ready yet), which costs a whole interpreter's imports
     where a fork of the zygote, or of its file's template, costs a few milliseconds.
     """
-    if settings.no_spawn or settings.forced_inprocess:
+    if settings.no_spawn or settings.forced_inprocess or settings.explain:
         return False
     if settings.method == "forkserver" and settings.scope == "test":
         return False
@@ -441,6 +442,30 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             spawns = False  # pytest skips it here, as in the child, without a child
         item.stash[SPAWNS_KEY] = spawns
     items[:] = _scopes(config, settings, items, config.stash[SCHEDULER_KEY].limit)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session) -> bool | None:
+    """``--spawn-explain``: say where each test would run; run nothing."""
+    config = session.config
+    settings = config.stash.get(SETTINGS_KEY, None)
+    if settings is None or not settings.explain:
+        return None
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    scheduler = config.stash[SCHEDULER_KEY]
+    fast = settings.method == "forkserver"
+    header = [
+        config.stash[INVENTORY_KEY].describe(),
+        f"spawnrun: up to {scheduler.limit} test(s) at once, "
+        f"at most {scheduler.allocator.per_gpu} per GPU; packing {settings.pack}; "
+        f"children {'forked from templates (fast mode)' if fast else 'spawned'}",
+    ]
+    text = _explain.lines(session.items, settings, dict(_boots.load(config)), header)
+    if reporter is not None:
+        reporter.write_sep("-", "spawnrun: where each test would run (nothing ran)")
+        for line in text:
+            reporter.write_line(line)
+    return True
 
 
 class _Spawns:

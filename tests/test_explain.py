@@ -1,0 +1,64 @@
+"""``--spawn-explain``: where and how each selected test would run, with nothing run."""
+
+from __future__ import annotations
+
+import pytest
+
+SUITE = """
+import os
+import pytest
+
+def ran():
+    with open(os.environ["RAN"], "a") as f:
+        f.write("ran\\n")
+
+@pytest.mark.gpu(memory="2GiB")
+def test_budget():
+    ran()
+
+@pytest.mark.gpu(exclusive=True)
+def test_alone():
+    ran()
+
+@pytest.mark.gpu(count=3)
+def test_three():
+    ran()
+
+def test_plain():
+    ran()
+"""
+
+ARGS = ["--spawn-gpus", "0,1", "--spawn-gpu-memory", "80GiB"]
+
+
+def test_explain_says_where_each_test_would_run_and_runs_nothing(pytester, monkeypatch):
+    ran = pytester.path / "ran.txt"
+    monkeypatch.setenv("RAN", str(ran))
+    pytester.makepyfile(test_suite=SUITE)
+    explained = pytester.runpytest_subprocess(*ARGS, "--spawn-explain")
+    assert explained.ret == pytest.ExitCode.OK
+    assert not ran.exists()  # no test, no child
+    explained.stdout.fnmatch_lines(
+        [
+            "*spawnrun: where each test would run (nothing ran)*",
+            "spawnrun: 2 GPU(s) [[]0, 1[]]*",
+            "spawnrun: up to * test(s) at once, at most * per GPU; packing declared; "
+            "children spawned",
+            "test_suite.py::test_budget: spawned; 1 GPU; budget 2.0 GiB (memory='2GiB'); "
+            "timeout none; its child holds its devices from its start (its file's boot is "
+            "not known yet)",
+            "test_suite.py::test_alone: spawned; 1 GPU; alone on its devices (exclusive=True);*",
+            "test_suite.py::test_three: skipped here (needs 3 GPUs, 2 available)",
+            "test_suite.py::test_plain: in-process (not marked gpu, and --spawn-gpu not given)",
+        ]
+    )
+    explained.stdout.no_fnmatch_line("*started while collecting*")
+    # After a run, what the file's boot touched is known: its children may boot unclaimed.
+    pytester.runpytest_subprocess(*ARGS).assert_outcomes(passed=3, skipped=1)
+    again = pytester.runpytest_subprocess(*ARGS, "--spawn-explain")
+    again.stdout.fnmatch_lines(
+        [
+            "test_suite.py::test_budget: *its child may boot unclaimed "
+            "(its file's boot touches no device)"
+        ]
+    )
