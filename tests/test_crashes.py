@@ -1065,3 +1065,35 @@ def test_values_travel_as_plain_data():
     assert out["t"] == ("odd(1.5)", "s") and out["2"] == [None, b"x"]
     assert type(proto.plain(_NotOnTheWire(1.5), str)) is str
     assert pickle.loads(pickle.dumps(out))["n"] == 1  # the structure that held itself ends
+
+
+EVIDENCE = """
+import os, signal, sys, pytest
+pytestmark = pytest.mark.gpu(count=0)
+
+def test_a():
+    print("A-STDOUT")
+    print("A-STDERR", file=sys.stderr)
+
+def test_b():
+    print("B-STDOUT")
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGSEGV)
+"""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--spawn-scope", "module"], ["--spawn-method", "forkserver", "--spawn-jobs", "1"]],
+    ids=["scope-module", "fast-template"],
+)
+def test_a_crash_shows_only_what_its_own_test_printed(pytester, args):
+    """The second test of a scope's child, or of a template's forks, dies: its report
+    shows what it printed, never what the test before it printed in the same process
+    or template."""
+    pytester.makepyfile(test_evidence=EVIDENCE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    result.assert_outcomes(passed=1, failed=1)
+    out = result.stdout.str()
+    assert "B-STDOUT" in out
+    assert "A-STDOUT" not in out and "A-STDERR" not in out
