@@ -151,14 +151,15 @@ class Loop(Summary):
         """What the handlers did, told to whoever decides (the driver)."""
 
     def _note_sharing(self, job: Job) -> None:
-        """Tests that hold a device together both ran shared (for the summary)."""
+        """Tests that run on a device together both ran shared (for the summary).
+
+        Only tests that run: a neighbour still booting holds nothing yet, and one whose
+        test is over (its child exiting) no longer runs a test beside this one.
+        """
         mine = set(job.held)
         for other in self.jobs:
-            if other is not job and mine & set(other.held):
+            if other is not job and other.state is not State.DONE and mine & set(other.held):
                 other.shared = job.shared = True
-        for ending, owner in self.endings.items():
-            if mine & set(ending.held):  # a test's child on its way out still holds it
-                owner.shared = job.shared = True
 
     def _gone(self, ending: Ending, job: Job) -> None:
         """A test's child is gone and its devices released: what it did is counted."""

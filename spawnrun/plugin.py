@@ -256,8 +256,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     capacity = config.stash[CAPACITY_KEY]
     if capacity and settings.pack != "off" and None in capacity.values():
         lines.append(
-            f"spawnrun: packing {settings.pack}: GPU memory unknown (no NVML), so tests "
-            "with a memory budget run alone; --spawn-gpu-memory declares it"
+            "spawnrun: each GPU test runs alone on its GPU, even with a memory= budget: "
+            "how much memory the GPUs have is unknown here (NVML is not available). "
+            "To let budgeted tests share a GPU, give it: --spawn-gpu-memory 80GiB"
         )
     elif capacity and settings.pack != "off":
         sizes = sorted({_packing.show(c) for c in capacity.values()})

@@ -129,3 +129,32 @@ def test_each_xdist_worker_says_what_its_spawned_tests_came_to(pytester):
     assert sorted(line.split()[0] for line in lines) == ["[gw0]", "[gw1]"], lines
     isolated = sum(int(line.split()[1]) for line in lines)
     assert isolated == 4, lines
+
+
+def test_shared_counts_only_tests_that_ran_side_by_side(pytester):
+    """One test at a time: the second starts while the first's child still exits (an
+    atexit handler), holding its claim. That is no sharing a person can act on: the
+    summary said both had shared a GPU."""
+    pytester.makepyfile(
+        "import atexit, time, pytest\n\n"
+        "@pytest.mark.gpu(memory='1GiB')\ndef test_first():\n"
+        "    atexit.register(time.sleep, 1.5)\n\n"
+        "@pytest.mark.gpu(memory='1GiB')\ndef test_second():\n    pass\n"
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-gpus", "0,", "--spawn-gpu-memory", "80GiB",
+        "--spawn-jobs", "1",
+    )  # fmt: skip
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["packing: 0 shared a GPU*"])
+
+
+def test_the_header_says_what_to_do_when_gpu_memory_is_unknown(pytester):
+    pytester.makepyfile("def test_x():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-gpus", "0,")
+    result.stdout.fnmatch_lines(
+        [
+            "spawnrun: each GPU test runs alone on its GPU, even with a memory= budget: *"
+            "To let budgeted tests share a GPU, give it: --spawn-gpu-memory 80GiB"
+        ]
+    )
