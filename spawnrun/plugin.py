@@ -567,6 +567,9 @@ def _store_peaks(config: pytest.Config) -> None:
     stored = cache.get(CACHE_PEAKS, {})
     merged = dict(stored) if isinstance(stored, dict) else {}
     merged.update(peaks)
+    # Records of tests whose file is gone are dropped: the cache does not only grow.
+    root = config.rootpath
+    merged = {k: v for k, v in merged.items() if (root / str(k).split("::")[0]).exists()}
     cache.set(CACHE_PEAKS, merged)
 
 

@@ -362,3 +362,26 @@ def test_the_budget_caps_torch_when_its_cuda_comes_up_and_not_before(pytester, w
         ]
     )
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
+
+
+def test_peaks_of_tests_whose_file_is_gone_are_dropped(pytester):
+    """The peaks cache only grew: a file's records outlived the file."""
+    for name, text in FAKE_TORCH.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    body = (
+        "import pytest\n\n@pytest.mark.gpu\ndef test_it():\n"
+        "    import torch\n    torch.cuda.init()\n"
+    )
+    pytester.makepyfile(test_gone=body, test_kept=body)
+    args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-pack", "auto"]
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
+    peaks = pytester.path / ".pytest_cache" / "v" / "spawnrun" / "peaks"
+    assert sorted(json.loads(peaks.read_text())) == [
+        "test_gone.py::test_it",
+        "test_kept.py::test_it",
+    ]
+    (pytester.path / "test_gone.py").unlink()
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)
+    assert sorted(json.loads(peaks.read_text())) == ["test_kept.py::test_it"]
