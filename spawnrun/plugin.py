@@ -582,7 +582,32 @@ def _summary_lines(config: pytest.Config) -> list[str]:
     scheduler = config.stash.get(SCHEDULER_KEY, None)
     settings = config.stash.get(SETTINGS_KEY, None)
     auto = settings is not None and settings.pack == "auto"
-    return scheduler.summary(list_alone=auto) if scheduler is not None else []
+    lines = scheduler.summary(list_alone=auto) if scheduler is not None else []
+    if scheduler is not None and _xdist_worker():
+        lines += _split_groups(scheduler)
+    return lines
+
+
+def _split_groups(scheduler: _drive.Driver) -> list[str]:
+    """An xdist worker's word on groups (``group=``) whose tests xdist spread over
+    workers: each worker's share of a group has a child of its own."""
+    if not scheduler.has_core():
+        return []
+    ran = set(scheduler.core.submitted)
+    groups: dict[str, list[str]] = {}
+    for nodeid, (_, plan) in scheduler.items.items():
+        if plan.scope.startswith("group "):
+            groups.setdefault(plan.scope, []).append(nodeid)
+    out = []
+    for scope, members in sorted(groups.items()):
+        here = sum(1 for m in members if m in ran)
+        if 0 < here < len(members):
+            out.append(
+                f"{scope}: {here} of its {len(members)} tests ran in this worker, in a child "
+                "of their own: xdist split the group over workers (keep it on one with "
+                "--dist loadgroup and @pytest.mark.xdist_group)"
+            )
+    return out
 
 
 @pytest.hookimpl(optionalhook=True)

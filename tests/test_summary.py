@@ -158,3 +158,15 @@ def test_the_header_says_what_to_do_when_gpu_memory_is_unknown(pytester):
             "To let budgeted tests share a GPU, give it: --spawn-gpu-memory 80GiB"
         ]
     )
+
+
+def test_a_group_that_xdist_splits_over_workers_is_named(pytester):
+    pytester.makepyfile(
+        "import pytest\npytestmark = pytest.mark.gpu(count=0, group='llm')\n\n"
+        "@pytest.mark.parametrize('i', range(4))\ndef test_g(i):\n    pass\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
+    result.assert_outcomes(passed=4)
+    result.stdout.fnmatch_lines(
+        ["[[]gw?[]] group llm: ? of its 4 tests ran in this worker*xdist split the group*"]
+    )
