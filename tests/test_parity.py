@@ -300,7 +300,9 @@ def test_junitxml_has_every_test(inner, pytester, monkeypatch):
     assert props is not None
     values = {p.get("name"): p.get("value") for p in props}
     expected = {"flavour", "spawnrun_devices", "spawnrun_wall_s", "spawnrun_boot_s"}
-    assert set(values) == expected | {"spawnrun_device_peak_mib"}  # what auto learns from
+    # What auto learns from comes only where something measured it (torch's view of its
+    # CUDA, or NVML): an unmeasured peak is no record, never 0.
+    assert expected <= set(values) <= expected | {"spawnrun_device_peak_mib"}
     assert values["flavour"] == "spawned-or-not"
     assert values["spawnrun_devices"] in ("0", "1")  # one of the two declared GPUs
     assert float(values["spawnrun_wall_s"]) > 0
