@@ -220,6 +220,27 @@ class Driver(Performer):
     def _alive(self) -> bool:
         return bool(self.jobs or self.endings or self.graveyard or self.units)
 
+    def split_groups(self) -> list[str]:
+        """An xdist worker's word on groups (``group=``) whose tests xdist spread over
+        workers: each worker's share of a group has a child of its own."""
+        if not self.has_core():
+            return []
+        ran = set(self.core.submitted)
+        groups: dict[str, list[str]] = {}
+        for nodeid, (_, plan) in self.items.items():
+            if plan.scope.startswith("group "):
+                groups.setdefault(plan.scope, []).append(nodeid)
+        out = []
+        for scope, members in sorted(groups.items()):
+            here = sum(1 for m in members if m in ran)
+            if 0 < here < len(members):
+                out.append(
+                    f"{scope}: {here} of its {len(members)} tests ran in this worker, in a "
+                    "child of their own: xdist split the group over workers (keep it on one "
+                    "with --dist loadgroup and @pytest.mark.xdist_group)"
+                )
+        return out
+
     # The loop's side -----------------------------------------------------------------
 
     def _watched(self) -> list[Any]:

@@ -165,3 +165,16 @@ def _relative(path: Path, rootdir: Path) -> str:
         return str(Path(path).relative_to(rootdir))
     except ValueError:
         return str(path)
+
+
+def asked_for(parent: Any, path: Path) -> bool:
+    """Whether pytest will collect ``path``: it is, or lies below, a path it was given.
+
+    pytest (8 on) lists a directory's every file, through this hook, before it keeps
+    only those the command line names (``pytest test_zz.py`` lists ``test_aa.py`` too):
+    a child must never import a file pytest itself will not.
+    """
+    given = getattr(parent.session, "_initialpaths", None)
+    if not given:
+        return True  # unknown: as before
+    return any(path == p or p in path.parents for p in given)

@@ -9,9 +9,11 @@ mode, else spawned; ``start_early`` starts one for a file before its tests are k
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
+import stat
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -224,3 +226,43 @@ def start(
         # The forkserver is off: every test spawns, this one alone in its child.
         spec = dataclasses.replace(spec, fork_each=False, then=[])
     return _runner.ChildProcess(spec, env=env)
+
+
+def pycache_dir(config: pytest.Config) -> str:
+    """Where children keep their bytecode: pytest's cache, else this run's temp dir.
+
+    Bytecode is code every child runs: the cache's directory is used only if it is a
+    real directory of this user that nobody else may write (a link, another owner or
+    write access for others could plant code), as the ledger's directory is checked.
+    """
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        with contextlib.suppress(OSError):
+            directory = cache.mkdir("spawnrun-pycache")
+            problem = not_private(directory)
+            if not problem:
+                return str(directory)
+            config.issue_config_time_warning(
+                pytest.PytestWarning(
+                    f"spawnrun: not keeping children's bytecode in {directory}: it {problem}; "
+                    "this run's own temporary directory is used instead"
+                ),
+                stacklevel=2,
+            )
+    directory = _runner.parent_basetemp(config) / "spawnrun" / "pycache"
+    directory.mkdir(parents=True, exist_ok=True)
+    return str(directory)
+
+
+def not_private(directory: Path) -> str:
+    """Why ``directory`` may not hold code every child runs ("": it may)."""
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid != os.getuid():
+        return "belongs to another user"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "may be written by other users"
+    return ""

@@ -7,12 +7,10 @@ code lives in ``_runner``, ``_jobs``, ``_loop`` and ``_drive``; decisions in ``d
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
 import os
 import shutil
 import signal
-import stat
 import threading
 from collections.abc import Generator
 from dataclasses import replace
@@ -279,7 +277,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # children get these options.
     environ = {}
     if _bytecode.wanted(config.stash[SETTINGS_KEY].pycache):
-        environ[_bytecode.ENV] = _pycache_dir(config)
+        environ[_bytecode.ENV] = _starting.pycache_dir(config)
         _bytecode.write_into(environ[_bytecode.ENV])  # until collection ends
         config.add_cleanup(_bytecode.stop)  # a collection that never ends, too
     config.stash[_starting.SHARED_KEY] = _starting.shared(config, environ)
@@ -287,46 +285,6 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     if holder is not None:
         holder.child_environ = environ
         holder.start(config)
-
-
-def _pycache_dir(config: pytest.Config) -> str:
-    """Where children keep their bytecode: pytest's cache, else this run's temp dir.
-
-    Bytecode is code every child runs: the cache's directory is used only if it is a
-    real directory of this user that nobody else may write (a link, another owner or
-    write access for others could plant code), as the ledger's directory is checked.
-    """
-    cache = getattr(config, "cache", None)
-    if cache is not None:
-        with contextlib.suppress(OSError):
-            directory = cache.mkdir("spawnrun-pycache")
-            problem = _not_private(directory)
-            if not problem:
-                return str(directory)
-            config.issue_config_time_warning(
-                pytest.PytestWarning(
-                    f"spawnrun: not keeping children's bytecode in {directory}: it {problem}; "
-                    "this run's own temporary directory is used instead"
-                ),
-                stacklevel=2,
-            )
-    directory = _runner.parent_basetemp(config) / "spawnrun" / "pycache"
-    directory.mkdir(parents=True, exist_ok=True)
-    return str(directory)
-
-
-def _not_private(directory: Path) -> str:
-    """Why ``directory`` may not hold code every child runs ("": it may)."""
-    info = os.lstat(directory)
-    if stat.S_ISLNK(info.st_mode):
-        return "is a symbolic link"
-    if not stat.S_ISDIR(info.st_mode):
-        return "is not a directory"
-    if info.st_uid != os.getuid():
-        return "belongs to another user"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return "may be written by other users"
-    return ""
 
 
 @pytest.hookimpl
@@ -341,22 +299,11 @@ def pytest_collect_file(
 ) -> Generator[None, list[pytest.Collector], list[pytest.Collector]]:
     collectors = yield
     # Listed, not yet imported: a child may import it beside the parent (``_early``).
-    if any(isinstance(c, pytest.Module) for c in collectors) and _asked_for(parent, file_path):
+    if any(isinstance(c, pytest.Module) for c in collectors) and _early.asked_for(
+        parent, file_path
+    ):
         _boot_early(parent.config, file_path)
     return collectors
-
-
-def _asked_for(parent: pytest.Collector, path: Path) -> bool:
-    """Whether pytest will collect ``path``: it is, or lies below, a path it was given.
-
-    pytest (8 on) lists a directory's every file, through this hook, before it keeps
-    only those the command line names (``pytest test_zz.py`` lists ``test_aa.py`` too):
-    a child must never import a file pytest itself will not.
-    """
-    given = getattr(parent.session, "_initialpaths", None)
-    if not given:
-        return True  # unknown: as before
-    return any(path == p or p in path.parents for p in given)
 
 
 def _boot_early(config: pytest.Config, path: Path) -> None:
@@ -584,30 +531,8 @@ def _summary_lines(config: pytest.Config) -> list[str]:
     auto = settings is not None and settings.pack == "auto"
     lines = scheduler.summary(list_alone=auto) if scheduler is not None else []
     if scheduler is not None and _xdist_worker():
-        lines += _split_groups(scheduler)
+        lines += scheduler.split_groups()
     return lines
-
-
-def _split_groups(scheduler: _drive.Driver) -> list[str]:
-    """An xdist worker's word on groups (``group=``) whose tests xdist spread over
-    workers: each worker's share of a group has a child of its own."""
-    if not scheduler.has_core():
-        return []
-    ran = set(scheduler.core.submitted)
-    groups: dict[str, list[str]] = {}
-    for nodeid, (_, plan) in scheduler.items.items():
-        if plan.scope.startswith("group "):
-            groups.setdefault(plan.scope, []).append(nodeid)
-    out = []
-    for scope, members in sorted(groups.items()):
-        here = sum(1 for m in members if m in ran)
-        if 0 < here < len(members):
-            out.append(
-                f"{scope}: {here} of its {len(members)} tests ran in this worker, in a child "
-                "of their own: xdist split the group over workers (keep it on one with "
-                "--dist loadgroup and @pytest.mark.xdist_group)"
-            )
-    return out
 
 
 @pytest.hookimpl(optionalhook=True)
