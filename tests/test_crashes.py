@@ -1097,3 +1097,41 @@ def test_a_crash_shows_only_what_its_own_test_printed(pytester, args):
     out = result.stdout.str()
     assert "B-STDOUT" in out
     assert "A-STDOUT" not in out and "A-STDERR" not in out
+
+
+def test_a_child_that_boots_unclaimed_is_under_the_boot_limit_at_its_turn(pytester):
+    """Children of a file whose boot is known to touch no device boot unclaimed: while
+    they boot, the boot limit armed at a test's turn must still hold for them (a boot
+    that hangs was waited for without end). The first child boots at once; the later
+    ones boot past the limit."""
+    pytester.makeconftest(
+        """
+        import os, time
+        import spawnrun._jobs
+
+        spawnrun._jobs.BOOT_LIMIT = 0.5  # in the parent; 600 s really
+        if os.environ.get("SPAWNRUN_CHILD") == "1":
+            try:
+                os.close(os.open("first-child", os.O_CREAT | os.O_EXCL))
+            except FileExistsError:
+                time.sleep(3)
+        """
+    )
+    pytester.makepyfile(
+        """
+        import time
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("i", range(3))
+        def test_it(i):
+            time.sleep(0.5)
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-gpus", "0,", "--spawn-lookahead", "2"
+    )
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1, errors=2)
+    booting = "setup (while the child booted: spawnrun's boot limit)"
+    result.stdout.fnmatch_lines([f"{_reports.TIMEOUT} (>0.5 s) during {booting}"] * 2)

@@ -416,3 +416,18 @@ def test_what_a_child_started_while_collecting_saw_is_learned(
     assert all(v == ["replay"] for v in result.ends.values())
     assert result.warnings == []
     assert (result.time < 8.5) is learn_early, result.time
+
+
+def test_an_unclaimed_child_still_booting_at_its_turn_takes_its_slot_and_devices() -> None:
+    """Its devices are free at its turn: it claims the devices it sees and takes its
+    slot while it boots, so the driver's boot limit holds for it (a boot that hangs was
+    waited for without end, its test never started)."""
+    d = Dispatcher(_settings(jobs=2, lookahead=2, defer=True, boots=(("f.py", ""),)))
+    test = ev.Test("t", file="f.py")
+    d.handle(ev.Suite(0, (test,)))
+    (start,) = [a for a in d.step() if isinstance(a, ev.Start)]
+    assert start.deferred and start.devices == ("0",)
+    d.handle(ev.Submit(0.1, test))
+    d.step()
+    assert d.tests["t"].phase.name == "STARTED" and d.children[start.child].devices == ("0",)
+    assert d.handle(ev.Booted(1.0, start.child)) == [ev.Go(start.child, "t", ("0",))]

@@ -198,15 +198,18 @@ class Dispatcher(Ends):
 
     def _go(self, entry: Entry, child: Child) -> Placed:
         if self.waits_for_devices(child):
-            # Booted unclaimed: its slot and devices are taken together once it is
-            # booted (the devices it saw, if its boot initialized the driver).
-            if child.state is State.STARTING:
-                return "booting"
+            # Booted unclaimed: its slot and devices are taken together, once it is
+            # booted (the devices it saw, if its boot initialized the driver), or at its
+            # turn while it still boots if the devices it sees are free (its boot may
+            # yet touch them): from then on its boot runs under the boot limit, as any
+            # child's that was started at its turn, so a boot that hangs is reported.
             if self.in_slot() >= self.settings.jobs:
-                return "blocked"
-            devices = self.choose(entry.test, among=child.seen if child.bound else None)
+                return "booting" if child.state is State.STARTING else "blocked"
+            starting = child.state is State.STARTING
+            among = child.seen if child.bound or starting else None
+            devices = self.choose(entry.test, among=among)
             if devices is None:
-                return "blocked"
+                return "booting" if starting else "blocked"
             self.assign(child, devices)
         if entry.phase is not Phase.STARTED:
             if self.in_slot() >= self.settings.jobs:

@@ -99,6 +99,8 @@ class Proc:
     seen: tuple[str, ...] = ()
     #: What its boot did to the devices it saw.
     touched: str = ""
+    #: From its exit to NVML's release of its memory.
+    release_after: float = 0.0
 
 
 @dataclass
@@ -257,6 +259,13 @@ class World:
             if proc is not None:
                 proc.released = True
             return False
+        if isinstance(event, ev.Exited) and proc is not None:
+            mine = self.d.children.get(proc.child)
+            # The driver tells a release of every child that holds a claim when it exits:
+            # one claimed while it booted unclaimed, and gone before its go, too.
+            if proc.devices or (mine is not None and mine.devices):
+                when = self.now + proc.release_after
+                self._at(when, ev.Released(when, proc.child))
         if isinstance(event, ev.Booted) and proc is not None:
             proc.booted = True
         if isinstance(event, ev.Done) and proc is not None:
@@ -411,8 +420,7 @@ class World:
         self._at(when, ev.Exited(when, proc.child, code))
         spec = self.specs.get(proc.running or proc.test)
         release = min(spec.release if spec is not None else 0.0, self.settings.settle)
-        if proc.devices:
-            self._at(when + release, ev.Released(when + release, proc.child))
+        proc.release_after = release  # its Released is told with its exit (_observe)
         self._at(when + release, _Freed(when + release, proc.child))
 
     def _dismiss(self, a: ev.Dismiss) -> None:
