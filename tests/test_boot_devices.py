@@ -325,9 +325,9 @@ def test_the_next_exclusive_test_boots_while_the_one_before_runs(pytester, monke
     assert [r["env"] for r in rows] == ["0"] * 4
     for before, after in zip(rows, rows[1:], strict=False):
         assert before["end"] <= after["start"], (before, after)  # alone
-    # From the second on, each child had booted (imported its file) before the test
-    # before it ended; its test started soon after.
+    # From the third on, each child had booted (imported its file) before the test
+    # before it ended (the second may boot before the file's first boot is known). How
+    # soon it then starts depends on the machine's load, so only the order is asserted.
     gaps = [round(a["start"] - b["end"], 2) for b, a in zip(rows, rows[1:], strict=False)]
     booted_before = [a["imported"] < b["end"] for b, a in zip(rows, rows[1:], strict=False)]
     assert booted_before[1:] == [True, True], (gaps, rows)
-    assert max(gaps[1:]) < 0.9, (gaps, rows)
