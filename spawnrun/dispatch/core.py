@@ -16,8 +16,10 @@ Policy, in full:
   once a boot of its file is known (this run or an earlier one, ``Booted.touched``) to
   make no context, a child booted ahead, or at a turn whose devices are taken, sees the
   least held devices but claims nothing; at its go it claims its devices (those it saw,
-  if its boot initialized the driver). Files never booted, or whose boot makes a
-  context, boot holding their claims.
+  if its boot initialized the driver). At its test's turn, a child still booting claims
+  the devices it sees as soon as they are free, and takes its slot: its boot then runs
+  under the driver's boot limit. Files never booted, or whose boot makes a context,
+  boot holding their claims.
 * **No hold and wait.** An idle child (booted ahead, started early, a scope's child
   between tests) never keeps the head from its devices: when dismissing idle holders
   lets the head fit, they are dismissed. Booting ahead happens while no test is blocked,
