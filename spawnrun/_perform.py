@@ -62,6 +62,11 @@ class Performer(Units):
             if job is None or entry is None or job.item.nodeid != child.test:
                 continue
             if entry.phase is Phase.STARTED and entry.child == unit.cid and not job.granted:
+                if job.deferred and child.devices:
+                    # Booting unclaimed, it claimed at its turn the devices it sees: its
+                    # claim (what it shares, its budget) is the job's from now on.
+                    job.assign(list(child.devices))
+                    unit.devices = child.devices
                 self._grant(job)
 
     # Actions -------------------------------------------------------------------------
