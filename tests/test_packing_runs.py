@@ -122,7 +122,12 @@ def test_budgeted_tests_share_a_device_within_its_memory(pytester, stamps, args)
     assert "too_large" not in seen
     budgeted = [n for n in seen if n.startswith(("budget", "after"))]
     at_once, load = most_at_once(seen, budgeted)
-    assert at_once == 2, seen  # they shared the device, never beyond its memory
+    if "-n" in args:
+        # Two workers, one child each: whether two budgeted tests meet depends on which
+        # tests xdist hands each worker and when (under load they may not); never more.
+        assert 1 <= at_once <= 2, seen
+    else:
+        assert at_once == 2, seen  # they shared the device, never beyond its memory
     assert load <= 10 * GiB
     assert {seen[n]["budget"] for n in budgeted} == {3 * GiB}
     # Alone means alone: nothing overlapped the exclusive or the unbudgeted test.
