@@ -57,8 +57,8 @@ def store(config: pytest.Config, boots: Mapping[str, str]) -> None:
     if cache is None or not boots:
         return
     stored = cache.get(CACHE_KEY, {})
-    merged = {p: r for p, r in (stored if isinstance(stored, dict) else {}).items()}
-    merged = {p: r for p, r in merged.items() if Path(p).exists()}
+    stored = stored if isinstance(stored, dict) else {}
+    merged = {p: r for p, r in stored.items() if Path(p).exists()}
     for path, touched in boots.items():
         seen = signature(path, config.rootpath)
         if seen:

@@ -412,14 +412,28 @@ def private_dir() -> Path:
     return Path(tempfile.mkdtemp(prefix="spawnrun-devices-"))
 
 
+def not_private(directory: Path) -> str:
+    """Why ``directory`` is not a private directory of this user ("": it is).
+
+    What others could plant files in is refused: a link, something else than a
+    directory, another owner, write access for others. The ledger's directory and the
+    children's bytecode directory are checked so.
+    """
+    info = os.lstat(directory)
+    if stat.S_ISLNK(info.st_mode):
+        return "is a symbolic link"
+    if not stat.S_ISDIR(info.st_mode):
+        return "is not a directory"
+    if info.st_uid != os.getuid():
+        return "belongs to another user"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return "may be written by other users"
+    return ""
+
+
 def check_private(directory: Path) -> None:
     """Refuse a ledger directory that is a link, is not ours, or others may write."""
-    info = os.lstat(directory)
-    if (
-        not stat.S_ISDIR(info.st_mode)
-        or info.st_uid != os.getuid()
-        or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    ):
+    if not_private(directory):
         raise pytest.UsageError(
             f"spawnrun: the device ledger directory {directory} is not a private directory "
             "of this user (a link, another owner, or writable by others): refusing it"

@@ -18,6 +18,7 @@ from spawnrun import _packing
 from spawnrun import _settings
 from spawnrun._plan import PLAN_KEY
 from spawnrun._plan import SPAWNS_KEY
+from spawnrun.dispatch import events as ev
 
 
 def lines(
@@ -52,7 +53,7 @@ def describe(item: pytest.Item, settings: _settings.Settings, boots: Mapping[str
     elif plan.scope:
         parts.append(f"shares a child: {plan.scope}")
     if plan.count or plan.every:
-        parts.append(_boot(str(item.path), boots, settings))
+        parts.append(_boot(str(item.path), boots))
     return "; ".join(parts)
 
 
@@ -72,11 +73,11 @@ def _why_in_process(item: pytest.Item, settings: _settings.Settings) -> str:
     return f"not marked {settings.marker}, and --spawn-gpu not given"
 
 
-def _boot(path: str, boots: Mapping[str, str], settings: _settings.Settings) -> str:
+def _boot(path: str, boots: Mapping[str, str]) -> str:
     touched = boots.get(path)
     if touched is None:
         return "its child holds its devices from its start (its file's boot is not known yet)"
-    if touched == "context":
+    if touched == ev.CONTEXT:
         return "its child holds its devices from its start (its file's boot makes a context)"
-    what = "initializes the driver" if touched == "driver" else "touches no device"
+    what = "initializes the driver" if touched == ev.DRIVER else "touches no device"
     return f"its child may boot unclaimed (its file's boot {what})"

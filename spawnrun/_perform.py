@@ -63,11 +63,15 @@ class Performer(Units):
                 continue
             if entry.phase is Phase.STARTED and entry.child == unit.cid and not job.granted:
                 if job.deferred and child.devices:
-                    # Booting unclaimed, it claimed at its turn the devices it sees: its
-                    # claim (what it shares, its budget) is the job's from now on.
-                    job.assign(list(child.devices))
-                    unit.devices = child.devices
+                    # Booting unclaimed, it claimed at its turn the devices it sees.
+                    self._assign(unit, job, child.devices)
                 self._grant(job)
+
+    def _assign(self, unit: Unit, job: Job, devices: tuple[str, ...]) -> None:
+        """An unclaimed child's devices, claimed in the dispatcher: its claim (what it
+        shares, its budget, its visibility variables) is the job's from now on."""
+        job.assign(list(devices))
+        unit.devices = devices
 
     # Actions -------------------------------------------------------------------------
 
@@ -187,8 +191,7 @@ class Performer(Units):
             return
         if unit.job is not None and unit.job.item.nodeid == action.test:
             if unit.job.deferred:
-                unit.job.assign(list(action.devices))
-                unit.devices = action.devices
+                self._assign(unit, unit.job, action.devices)
             if not unit.job.granted:
                 self._grant(unit.job)
             return

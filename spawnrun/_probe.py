@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 #: prctl's option: the signal this process gets when its parent ends (Linux).
@@ -137,19 +138,28 @@ def _mapped_cuda() -> list[ctypes.CDLL]:
     return libs
 
 
-def _reset_primary_contexts(lib: ctypes.CDLL) -> None:
+def _primary_contexts(lib: ctypes.CDLL) -> Iterator[tuple[ctypes.c_int, bool | None]]:
+    """Each device the driver lists, and whether its primary context is active (None:
+    the driver would not say). Nothing if the driver is not initialized."""
     count = ctypes.c_int(0)
     if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return  # not initialized (or broken): no context to free
-    reset = getattr(lib, "cuDevicePrimaryCtxReset_v2", None) or lib.cuDevicePrimaryCtxReset
+        return  # not initialized (or broken): no context
     for ordinal in range(count.value):
         device = ctypes.c_int(0)
         if lib.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
+            yield device, None
             continue
         flags, active = ctypes.c_uint(0), ctypes.c_int(0)
         if lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)):
+            yield device, None
             continue
-        if active.value:
+        yield device, bool(active.value)
+
+
+def _reset_primary_contexts(lib: ctypes.CDLL) -> None:
+    reset = getattr(lib, "cuDevicePrimaryCtxReset_v2", None) or lib.cuDevicePrimaryCtxReset
+    for device, active in _primary_contexts(lib):
+        if active:
             reset(device)
 
 
@@ -166,27 +176,12 @@ def boot_touch() -> str:
         return ""
     for lib in _mapped_cuda():
         try:
-            if _active_primary_context(lib):
+            # A context, or a device the driver would not say of: assume the worst.
+            if any(active is not False for _, active in _primary_contexts(lib)):
                 return "context"
         except (OSError, AttributeError):
             return "context"  # mapped but cannot be asked: assume the worst
     return "driver"
-
-
-def _active_primary_context(lib: ctypes.CDLL) -> bool:
-    count = ctypes.c_int(0)
-    if lib.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return False
-    for ordinal in range(count.value):
-        device = ctypes.c_int(0)
-        if lib.cuDeviceGet(ctypes.byref(device), ordinal) != 0:
-            return True
-        flags, active = ctypes.c_uint(0), ctypes.c_int(0)
-        if lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)):
-            return True
-        if active.value:
-            return True
-    return False
 
 
 def cuda_driver_initialized() -> bool:

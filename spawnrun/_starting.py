@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import os
 import pickle
-import stat
 from collections.abc import Mapping
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import pytest
 
 from spawnrun import CHILD_ENV
 from spawnrun import _coverage
+from spawnrun import _devices
 from spawnrun import _forkserver
 from spawnrun import _inventory
 from spawnrun import _packing
@@ -233,13 +233,14 @@ def pycache_dir(config: pytest.Config) -> str:
 
     Bytecode is code every child runs: the cache's directory is used only if it is a
     real directory of this user that nobody else may write (a link, another owner or
-    write access for others could plant code), as the ledger's directory is checked.
+    write access for others could plant code), as the ledger's directory is checked
+    (``_devices.not_private``).
     """
     cache = getattr(config, "cache", None)
     if cache is not None:
         with contextlib.suppress(OSError):
             directory = cache.mkdir("spawnrun-pycache")
-            problem = not_private(directory)
+            problem = _devices.not_private(directory)
             if not problem:
                 return str(directory)
             config.issue_config_time_warning(
@@ -252,17 +253,3 @@ def pycache_dir(config: pytest.Config) -> str:
     directory = _runner.parent_basetemp(config) / "spawnrun" / "pycache"
     directory.mkdir(parents=True, exist_ok=True)
     return str(directory)
-
-
-def not_private(directory: Path) -> str:
-    """Why ``directory`` may not hold code every child runs ("": it may)."""
-    info = os.lstat(directory)
-    if stat.S_ISLNK(info.st_mode):
-        return "is a symbolic link"
-    if not stat.S_ISDIR(info.st_mode):
-        return "is not a directory"
-    if info.st_uid != os.getuid():
-        return "belongs to another user"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return "may be written by other users"
-    return ""

@@ -125,10 +125,7 @@ class Units(Loop):
         CUDA driver)."""
         if self.ledger is not None or not self.allocator.ids:
             return False
-        try:
-            return _inventory.active().vendor == "nvidia"
-        except Exception:  # noqa: BLE001 - no inventory: nothing to defer
-            return False
+        return _inventory.active().vendor == "nvidia"
 
     def _forget_early(self, unit: Unit) -> None:
         if unit.early is not None and unit.early in self.early.waiting:

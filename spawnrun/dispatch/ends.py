@@ -34,16 +34,7 @@ class Ends(Run):
             return  # a late message of a child given up
         if isinstance(event, ev.Booted):
             if child.state is State.STARTING:
-                self._learn_boot(child, event.touched)
-            if child.state is State.STARTING and self.waits_for_devices(child):
-                child.bound = event.touched == ev.DRIVER
-                if event.touched == ev.CONTEXT:
-                    self._made_context(child)
-            if child.state is State.STARTING:
-                child.move(State.READY, self.now)
-                entry = self.tests.get(child.test) if child.test else None
-                if entry is not None and entry.phase is Phase.STARTED:
-                    self.go(child, entry)  # started at its turn: it runs at once
+                self._booted(child, event.touched)
         elif isinstance(event, ev.StartFailed):
             self._lost_before_test(child, event.error)
             if child.state is not State.SETTLING:
@@ -100,6 +91,18 @@ class Ends(Run):
         else:
             child.move(State.SETTLING, self.now)
             self.settled(child)
+
+    def _booted(self, child: Child, touched: str) -> None:
+        self._learn_boot(child, touched)
+        if self.waits_for_devices(child):
+            child.bound = touched == ev.DRIVER
+            if touched == ev.CONTEXT:
+                self._made_context(child)
+                return
+        child.move(State.READY, self.now)
+        entry = self.tests.get(child.test) if child.test else None
+        if entry is not None and entry.phase is Phase.STARTED:
+            self.go(child, entry)  # started at its turn: it runs at once
 
     def _learn_boot(self, child: Child, touched: str) -> None:
         """What a boot of its test's file touched: later children of the file boot
