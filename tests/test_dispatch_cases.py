@@ -431,3 +431,23 @@ def test_an_unclaimed_child_still_booting_at_its_turn_takes_its_slot_and_devices
     d.step()
     assert d.tests["t"].phase.name == "STARTED" and d.children[start.child].devices == ("0",)
     assert d.handle(ev.Booted(1.0, start.child)) == [ev.Go(start.child, "t", ("0",))]
+
+
+def test_a_booting_head_has_the_idle_holders_of_the_devices_it_sees_dismissed() -> None:
+    """The head's unclaimed child still boots; a child booted ahead, claimed, for a later
+    test of an unknown file sits idle on the device the head's child sees. The head must
+    take it now (the boot limit starts with its claim): waiting for its own boot to end
+    first would wait without end if that boot hangs."""
+    d = Dispatcher(_settings(jobs=2, lookahead=2, defer=True, boots=(("a.py", ""),)))
+    head, later = ev.Test("a", file="a.py"), ev.Test("b", file="b.py")
+    d.handle(ev.Suite(0, (head, later)))
+    starts = {a.test: a for a in d.step() if isinstance(a, ev.Start)}
+    assert starts["a"].deferred and not starts["b"].deferred  # b's file is unknown
+    d.handle(ev.Booted(0.5, starts["b"].child))  # b's child is ready, idle, on gpu 0
+    d.handle(ev.Submit(1.0, head))
+    actions = d.step()
+    assert ev.Dismiss(starts["b"].child) in actions
+    d.handle(ev.Exited(1.1, starts["b"].child, 0), ev.Released(1.1, starts["b"].child))
+    d.step()
+    assert d.tests["a"].phase.name == "STARTED", d.tests["a"]
+    assert d.children[starts["a"].child].devices == ("0",)

@@ -159,10 +159,10 @@ class Dispatcher(Ends):
             if placed in ("started", "ended"):
                 if tid in self.queue:
                     self.queue.remove(tid)
-            elif placed == "blocked":
+            elif placed in ("blocked", "booting"):
+                # A head whose own child boots takes its devices as soon as they are
+                # free (its boot limit starts then): idle holders go for it too.
                 self._preempt(self.tests[tid].test)
-                return tid, placed
-            elif placed == "booting":
                 return tid, placed
         return None, ""
 

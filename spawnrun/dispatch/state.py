@@ -210,9 +210,14 @@ class Run:
         return None if chosen is None else tuple(chosen)
 
     def bound_to(self, test: ev.Test) -> tuple[str, ...] | None:
-        """The devices the test's own booted child is bound to (None: any)."""
+        """The devices the test's own unclaimed child must get (None: any): those it
+        saw, if its boot initialized the driver or may still do so (it boots)."""
         for child in self.live_children():
-            if child.test == test.id and child.bound and self.waits_for_devices(child):
+            if child.test != test.id or not self.waits_for_devices(child):
+                continue
+            if child.state not in (State.STARTING, *IDLE):
+                continue  # dismissed: it runs nothing
+            if child.bound or child.state is State.STARTING:
                 return child.seen
         return None
 
