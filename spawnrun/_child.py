@@ -196,7 +196,7 @@ class _Relay:
         # Plain data only, whatever the test put in it (a tensor, an instance of a class
         # of its own): the parent must read every message without importing anything.
         fields = {f.name: proto.plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
-        self.conn.send(dataclasses.replace(msg, **fields))
+        self.conn.send_bytes(proto.frame(dataclasses.replace(msg, **fields)))
 
     # pytest hooks ---------------------------------------------------------------
 

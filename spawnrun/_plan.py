@@ -26,8 +26,6 @@ SPAWNS_KEY = pytest.StashKey[bool]()
 PLAN_KEY = pytest.StashKey[_packing.Plan]()
 #: Each device's memory (NVML's, or --spawn-gpu-memory), None where unknown.
 CAPACITY_KEY = pytest.StashKey[dict[str, "int | None"]]()
-#: Where learned peaks live in pytest's cache.
-CACHE_PEAKS = "spawnrun/peaks"
 
 
 def _scopes(
@@ -262,17 +260,6 @@ def _plan_from(
 def _marker_memory(item: pytest.Item, settings: _settings.Settings) -> object:
     mark = item.get_closest_marker(settings.marker)
     return None if mark is None else mark.kwargs.get("memory")
-
-
-def _learned(config: pytest.Config) -> dict[str, int]:
-    """Peaks recorded by earlier runs (pytest's cache), node id -> bytes."""
-    cache = getattr(config, "cache", None)
-    if cache is None:
-        return {}
-    peaks = cache.get(CACHE_PEAKS, {})
-    if not isinstance(peaks, dict):
-        return {}
-    return {str(k): int(v) for k, v in peaks.items() if isinstance(v, int) and v >= 0}
 
 
 def _skipped_statically(item: pytest.Item) -> bool:

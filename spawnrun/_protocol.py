@@ -443,6 +443,54 @@ def _text(value: Any, text: Any) -> str:
     return f"<unrepresentable {type(value).__qualname__}>"
 
 
+# The size of what a child sends ------------------------------------------------------------
+
+#: A child's message whose pickle is larger is cut before it is sent (``frame``): the
+#: parent holds each child's message whole until it has arrived.
+MESSAGE_LIMIT = 16 * 2**20
+#: In a message being cut, a text keeps its last this many characters, and a list, tuple
+#: or mapping its first this many entries.
+CUT_TEXT = 64 * 1024
+CUT_ITEMS = 1000
+
+
+def frame(msg: Any) -> bytes:
+    """``msg``'s pickle, from its plain data cut where the whole is over MESSAGE_LIMIT.
+
+    A report whose traceback explains a 30 MB string, or a test that records a huge
+    property, still reaches the parent, with the marker ``[spawnrun: ... cut`` where
+    something was cut. Values over the limit without one long text or sequence (which
+    nothing a test makes is) travel as they are, and the parent refuses them.
+    """
+    data = pickle.dumps(msg)
+    if len(data) <= MESSAGE_LIMIT:
+        return data
+    fields = {f: _cut(getattr(msg, f), len(data)) for f in msg.__dataclass_fields__}
+    return pickle.dumps(replace(msg, **fields))
+
+
+def _cut(value: Any, size: int) -> Any:
+    kind = type(value)
+    if kind is str and len(value) > CUT_TEXT:
+        cut = len(value) - CUT_TEXT
+        return (
+            f"[spawnrun: {cut} characters cut from a message of {size} bytes, over the "
+            f"{MESSAGE_LIMIT} sent; the last {CUT_TEXT} follow]\n" + value[cut:]
+        )
+    if kind is dict:
+        items = list(value.items())
+        out = {k: _cut(v, size) for k, v in items[:CUT_ITEMS]}
+        if len(items) > CUT_ITEMS:
+            out["spawnrun"] = f"[spawnrun: {len(items) - CUT_ITEMS} entries cut]"
+        return out
+    if kind in (list, tuple):
+        out_items = [_cut(v, size) for v in value[:CUT_ITEMS]]
+        if len(value) > CUT_ITEMS:
+            out_items.append(f"[spawnrun: {len(value) - CUT_ITEMS} entries cut]")
+        return out_items if kind is list else tuple(out_items)
+    return value
+
+
 # Identity of a test across the process boundary ------------------------------------------
 
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")

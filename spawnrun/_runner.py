@@ -307,8 +307,10 @@ class Died:
 #: not keep the event loop from its other events (the rest is read on the next turn).
 _READ_CHUNK = 1 << 16
 _READS_PER_TURN = 64
-#: A message longer than this is taken for a corrupt stream.
-MAX_MESSAGE = 1 << 30
+#: A message longer than this is taken for a corrupt stream: a child cuts what it sends
+#: to ``_protocol.MESSAGE_LIMIT`` (``_protocol.frame``), so each child's partial message
+#: held here stays bounded.
+MAX_MESSAGE = 4 * proto.MESSAGE_LIMIT
 
 
 class Stream:

@@ -31,6 +31,7 @@ from spawnrun import _explain
 from spawnrun import _forkserver
 from spawnrun import _inventory
 from spawnrun import _jobs
+from spawnrun import _learned
 from spawnrun import _packing
 from spawnrun import _poison
 from spawnrun import _probe
@@ -39,7 +40,6 @@ from spawnrun import _runner
 from spawnrun import _settings
 from spawnrun import _starting
 from spawnrun import _status
-from spawnrun._plan import CACHE_PEAKS
 from spawnrun._plan import CAPACITY_KEY
 from spawnrun._plan import INVENTORY_KEY
 from spawnrun._plan import ITEM_KEY
@@ -47,7 +47,6 @@ from spawnrun._plan import PLAN_KEY
 from spawnrun._plan import SETTINGS_KEY
 from spawnrun._plan import SPAWNS_KEY
 from spawnrun._plan import _cannot_run
-from spawnrun._plan import _learned
 from spawnrun._plan import _plan
 from spawnrun._plan import _plan_from
 from spawnrun._plan import _plan_of
@@ -59,6 +58,7 @@ from spawnrun._plan import _spawns
 SCHEDULER_KEY = pytest.StashKey[_drive.Driver]()
 #: Peaks measured in this run (node id -> bytes on its fullest device), for the cache.
 PEAKS_KEY = pytest.StashKey[dict[str, int]]()
+COLLECTED_KEY = pytest.StashKey[_learned.Collected]()
 #: The files whose tests earlier runs spawned (``_early.remembered``), read once.
 REMEMBERED_KEY = pytest.StashKey[dict[str, "_early.Guess"]]()
 #: Whether the run was told that /proc is missing (once).
@@ -140,8 +140,11 @@ def pytest_configure(config: pytest.Config) -> None:
     _warn_fast_mode_only(config, settings)
     config.stash[INVENTORY_KEY] = inventory
     config.stash[CAPACITY_KEY] = capacity
-    global _peaks
+    global _peaks, _collected
     _peaks = config.stash[PEAKS_KEY] = {}
+    _collected = None
+    if not _xdist_controller(config):  # its workers collect, it does not
+        _collected = config.stash[COLLECTED_KEY] = _learned.Collected(config)
     lookahead = settings.lookahead
     if lookahead is None:
         lookahead = _settings.default_lookahead()
@@ -288,6 +291,18 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
 
 @pytest.hookimpl
+def pytest_itemcollected(item: pytest.Item) -> None:
+    if _collected is not None:
+        _collected.item(item.nodeid)
+
+
+@pytest.hookimpl
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if _collected is not None:  # the hook has no config to ask
+        _collected.report(report)
+
+
+@pytest.hookimpl
 def pytest_collectstart() -> None:
     # torch may first be imported by a test module: watch its CUDA init from then on.
     _cudawatch.watch()
@@ -372,7 +387,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     inventory = config.stash[INVENTORY_KEY]
     ids = inventory.ids
     capacity = config.stash[CAPACITY_KEY]
-    learned = _learned(config) if settings.pack == "auto" else {}
+    learned = _learned.peaks(config) if settings.pack == "auto" else {}
     for item in items:
         overrides = _settings.marker_overrides(item, settings)
         item.stash[ITEM_KEY] = overrides
@@ -508,16 +523,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def _store_peaks(config: pytest.Config) -> None:
     """Keep this run's measured peaks in pytest's cache, for ``--spawn-pack auto``."""
     peaks = config.stash.get(PEAKS_KEY, None)
-    cache = getattr(config, "cache", None)
-    if not peaks or cache is None or _xdist_worker():
+    if peaks is None or _xdist_worker():
         return  # under xdist the controller stores what its workers' reports carry
-    stored = cache.get(CACHE_PEAKS, {})
-    merged = dict(stored) if isinstance(stored, dict) else {}
-    merged.update(peaks)
-    # Records of tests whose file is gone are dropped: the cache does not only grow.
-    root = config.rootpath
-    merged = {k: v for k, v in merged.items() if (root / str(k).split("::")[0]).exists()}
-    cache.set(CACHE_PEAKS, merged)
+    _learned.store_peaks(config, peaks, config.stash.get(COLLECTED_KEY, None))
 
 
 #: Under xdist: each worker's summary lines, sent in its ``workeroutput``.
@@ -570,6 +578,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
 _logging_report = False
 #: The run's measured peaks (``PEAKS_KEY``); the logreport hook has no config to ask.
 _peaks: dict[str, int] | None = None
+#: What this run's collection yielded (``COLLECTED_KEY``), for pruning learned peaks.
+_collected: _learned.Collected | None = None
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

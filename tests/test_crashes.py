@@ -370,19 +370,20 @@ def test_what_runs_is_shown_and_named_on_ctrl_c(pytester, jobs, method):
     )
 
 
+PARENT_PEAK_RSS = """
+import os
+def pytest_sessionfinish(session):
+    # VmHWM, not ru_maxrss: the latter survives exec and would include the
+    # peak of whichever process forked this one.
+    if os.environ.get("SPAWNRUN_CHILD") != "1":
+        with open("/proc/self/status") as f:
+            peak = next(l.split()[1] for l in f if l.startswith("VmHWM:"))
+        open("parent_rss_kib.txt", "w").write(peak)
+"""
+
+
 def test_huge_output_is_bounded(pytester):
-    pytester.makeconftest(
-        """
-        import os
-        def pytest_sessionfinish(session):
-            # VmHWM, not ru_maxrss: the latter survives exec and would include the
-            # peak of whichever process forked this one.
-            if os.environ.get("SPAWNRUN_CHILD") != "1":
-                with open("/proc/self/status") as f:
-                    peak = next(l.split()[1] for l in f if l.startswith("VmHWM:"))
-                open("parent_rss_kib.txt", "w").write(peak)
-        """
-    )
+    pytester.makeconftest(PARENT_PEAK_RSS)
     pytester.makepyfile(
         """
         import os, sys
@@ -403,6 +404,30 @@ def test_huge_output_is_bounded(pytester):
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*characters cut, the last*", "*THE-END-OF-STDOUT"])
     assert len(result.stdout.str()) < 2 * 1024 * 1024
+    assert int((pytester.path / "parent_rss_kib.txt").read_text()) < 150 * 1024
+
+
+def test_huge_report_fields_are_cut_before_they_are_sent(pytester):
+    """A report is sent whole however large (a 1 GiB frame was accepted): a 40 MB
+    assertion message and a 40 MB property were held and printed whole by the parent."""
+    pytester.makeconftest(PARENT_PEAK_RSS)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        def test_huge(record_property):
+            record_property("big", "p" * 40_000_000 + "THE-END-OF-PROPERTY")
+            assert False, "m" * 40_000_000 + "THE-END-OF-MESSAGE"
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--junitxml=out.xml")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*[[]spawnrun: * characters cut from a message of *"])
+    result.stdout.fnmatch_lines(["*THE-END-OF-MESSAGE*"])
+    assert len(result.stdout.str()) < 2 * 1024 * 1024
+    xml = (pytester.path / "out.xml").read_text()
+    assert "THE-END-OF-PROPERTY" in xml and len(xml) < 2 * 1024 * 1024
     assert int((pytester.path / "parent_rss_kib.txt").read_text()) < 150 * 1024
 
 

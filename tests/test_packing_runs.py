@@ -390,3 +390,25 @@ def test_peaks_of_tests_whose_file_is_gone_are_dropped(pytester):
     (pytester.path / "test_gone.py").unlink()
     pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)
     assert sorted(json.loads(peaks.read_text())) == ["test_kept.py::test_it"]
+
+
+def test_peaks_of_tests_a_whole_file_no_longer_yields_are_dropped(pytester):
+    """The peaks cache only grew: a renamed test's record outlived it. Records of tests
+    that a run did not collect, but its file still has, stay (a node id, -k)."""
+    for name, text in FAKE_TORCH.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    body = "import pytest\n\n@pytest.mark.gpu\ndef test_{}():\n    import torch\n    torch.cuda.init()\n"
+    pytester.makepyfile(test_a=body.format("one") + "\n\n" + body.format("two"))
+    args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-pack", "auto"]
+    peaks = pytester.path / ".pytest_cache" / "v" / "spawnrun" / "peaks"
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)
+    both = ["test_a.py::test_one", "test_a.py::test_two"]
+    assert sorted(json.loads(peaks.read_text())) == both
+    pytester.runpytest_subprocess("test_a.py::test_one", *args).assert_outcomes(passed=1)
+    pytester.runpytest_subprocess("-k", "one", *args).assert_outcomes(passed=1, deselected=1)
+    assert sorted(json.loads(peaks.read_text())) == both
+    pytester.makepyfile(test_a=body.format("one") + "\n\n" + body.format("three"))
+    pytester.runpytest_subprocess("-k", "one", *args).assert_outcomes(passed=1, deselected=1)
+    assert sorted(json.loads(peaks.read_text())) == ["test_a.py::test_one"]

@@ -1,0 +1,81 @@
+"""What earlier runs measured of each test (its peak device memory), in pytest's cache.
+
+Runs in the parent. ``--spawn-pack auto`` budgets a test from the peak an earlier run
+recorded for it. The records do not only grow: those of files that are gone are dropped,
+and so are those of tests that a whole file's collection no longer yields (a test
+renamed or removed). A file counts as wholly collected when the command line names it
+(or a folder above it) rather than some of its tests, its collection did not fail, and
+``--lf`` did not narrow it: pytest then yields every test the file still has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pytest
+
+#: Where learned peaks live in pytest's cache: node id -> bytes.
+CACHE_PEAKS = "spawnrun/peaks"
+
+
+def peaks(config: pytest.Config) -> dict[str, int]:
+    """Peaks recorded by earlier runs, node id -> bytes."""
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return {}
+    stored = cache.get(CACHE_PEAKS, {})
+    if not isinstance(stored, dict):
+        return {}
+    return {str(k): int(v) for k, v in stored.items() if isinstance(v, int) and v >= 0}
+
+
+class Collected:
+    """The node ids this run's collection yielded, and the files it yielded wholly."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.root = config.rootpath
+        self.ids: set[str] = set()
+        #: Files (as node ids spell them) whose collection ended, and those it failed in.
+        self.files: set[str] = set()
+        self.failed: set[str] = set()
+        # --lf collects only the failed tests of a file that has some: never whole.
+        self.narrowed = bool(config.getoption("lf", False))
+        base = config.invocation_params.dir
+        self.partial = {
+            (base / str(arg).split("::")[0]).resolve() for arg in config.args if "::" in str(arg)
+        }
+
+    def item(self, nodeid: str) -> None:
+        self.ids.add(nodeid)
+
+    def report(self, report: pytest.CollectReport) -> None:
+        file = report.nodeid.split("::")[0]
+        (self.failed if report.failed else self.files).add(file)
+
+    def whole(self, file: str) -> bool:
+        """Whether this run's collection yielded every test the file has."""
+        if self.narrowed or file in self.failed or file not in self.files:
+            return False
+        return (self.root / file).resolve() not in self.partial
+
+
+def store_peaks(
+    config: pytest.Config, measured: Mapping[str, int], collected: Collected | None
+) -> None:
+    """Keep this run's peaks beside the earlier records that still name a test."""
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return
+    stored = cache.get(CACHE_PEAKS, {})
+    stored = stored if isinstance(stored, dict) else {}
+    merged = {**stored, **measured}
+    kept = {}
+    for nodeid, peak in merged.items():
+        file = str(nodeid).split("::")[0]
+        if not (config.rootpath / file).exists():
+            continue  # the file is gone
+        if collected is not None and collected.whole(file) and nodeid not in collected.ids:
+            continue  # the file's collection no longer yields this test
+        kept[nodeid] = peak
+    if kept != stored:
+        cache.set(CACHE_PEAKS, kept)
