@@ -61,6 +61,7 @@ class Driver(Performer):
             scope=plan.scope,
             key=early_key(str(item.path), plan),
             file=str(item.path),
+            duration=self.durations.get(item.nodeid),
         )
 
     def _feed(self, *events: ev.Event) -> None:

@@ -52,6 +52,8 @@ _claims = count(1)
 #: junitxml properties: the budget a test ran with, and the peak it is learned by.
 BUDGET_PROPERTY = "spawnrun_budget_mib"
 LEARNED_PEAK = "spawnrun_device_peak_mib"
+#: A spawned test's wall time from its go to its end (its child's setup, call, teardown).
+WALL_PROPERTY = "spawnrun_wall_s"
 
 
 #: How long a child may take to boot once its turn has come (a hanging conftest).
@@ -526,7 +528,7 @@ class Job:
             # From the go to "done", at least what pytest timed of the phases.
             timed = sum(r.duration for r in self.replay.reports)
             wall = max(time.monotonic() - self.went, timed)
-            self.replay.properties.append(("spawnrun_wall_s", round(wall, 4)))
+            self.replay.properties.append((WALL_PROPERTY, round(wall, 4)))
         if self.boot_seconds is not None:
             self.replay.properties.append(("spawnrun_boot_s", round(self.boot_seconds, 3)))
         if self.peak_device_bytes is not None:

@@ -1,11 +1,13 @@
-"""What earlier runs measured of each test (its peak device memory), in pytest's cache.
+"""What earlier runs measured of each test, in pytest's cache: its peak device memory
+and how long it ran (from its go to its end: setup, call and teardown in its child).
 
 Runs in the parent. ``--spawn-pack auto`` budgets a test from the peak an earlier run
-recorded for it. The records do not only grow: those of files that are gone are dropped,
-and so are those of tests that a whole file's collection no longer yields (a test
-renamed or removed). A file counts as wholly collected when the command line names it
-(or a folder above it) rather than some of its tests, its collection did not fail, and
-``--lf`` did not narrow it: pytest then yields every test the file still has.
+recorded for it; the dispatcher backfills by durations (``dispatch.core``). The records
+do not only grow: those of files that are gone are dropped, and so are those of tests
+that a whole file's collection no longer yields (a test renamed or removed). A file
+counts as wholly collected when the command line names it (or a folder above it) rather
+than some of its tests, its collection did not fail, and ``--lf`` did not narrow it:
+pytest then yields every test the file still has.
 """
 
 from __future__ import annotations
@@ -16,17 +18,31 @@ import pytest
 
 #: Where learned peaks live in pytest's cache: node id -> bytes.
 CACHE_PEAKS = "spawnrun/peaks"
+#: Where learned durations live: node id -> seconds (setup, call and teardown).
+CACHE_DURATIONS = "spawnrun/durations"
 
 
 def peaks(config: pytest.Config) -> dict[str, int]:
     """Peaks recorded by earlier runs, node id -> bytes."""
+    return {k: int(v) for k, v in _load(config, CACHE_PEAKS).items() if isinstance(v, int)}
+
+
+def durations(config: pytest.Config) -> dict[str, float]:
+    """Durations recorded by earlier runs, node id -> seconds."""
+    return {k: float(v) for k, v in _load(config, CACHE_DURATIONS).items()}
+
+
+def _load(config: pytest.Config, key: str) -> dict[str, int | float]:
     cache = getattr(config, "cache", None)
-    if cache is None:
-        return {}
-    stored = cache.get(CACHE_PEAKS, {})
+    stored = cache.get(key, {}) if cache is not None else {}
     if not isinstance(stored, dict):
         return {}
-    return {str(k): int(v) for k, v in stored.items() if isinstance(v, int) and v >= 0}
+    ok = (int, float)
+    return {
+        str(k): v
+        for k, v in stored.items()
+        if isinstance(v, ok) and not isinstance(v, bool) and v >= 0
+    }
 
 
 class Collected:
@@ -59,14 +75,14 @@ class Collected:
         return (self.root / file).resolve() not in self.partial
 
 
-def store_peaks(
-    config: pytest.Config, measured: Mapping[str, int], collected: Collected | None
+def store(
+    config: pytest.Config, key: str, measured: Mapping[str, float], collected: Collected | None
 ) -> None:
-    """Keep this run's peaks beside the earlier records that still name a test."""
+    """Keep this run's records beside the earlier ones that still name a test."""
     cache = getattr(config, "cache", None)
     if cache is None:
         return
-    stored = cache.get(CACHE_PEAKS, {})
+    stored = cache.get(key, {})
     stored = stored if isinstance(stored, dict) else {}
     merged = {**stored, **measured}
     kept = {}
@@ -78,4 +94,4 @@ def store_peaks(
             continue  # the file's collection no longer yields this test
         kept[nodeid] = peak
     if kept != stored:
-        cache.set(CACHE_PEAKS, kept)
+        cache.set(key, kept)

@@ -20,6 +20,7 @@ from spawnrun import _boots
 from spawnrun import _devices
 from spawnrun import _early
 from spawnrun import _inventory
+from spawnrun import _learned
 from spawnrun import _packing
 from spawnrun import _runner
 from spawnrun._ending import EXIT_KILL
@@ -90,8 +91,17 @@ class Units(Loop):
         self.ledger = self.allocator if isinstance(self.allocator, _devices.Ledger) else None
         self.claims: dict[int, tuple[str, ...]] = {}
         self.peers: tuple[tuple[str, int | None], ...] | None = None
+        #: What earlier runs measured of each test's duration (``_learned``), once read.
+        self._durations: dict[str, float] | None = None
 
     # The dispatcher ------------------------------------------------------------------
+
+    @property
+    def durations(self) -> dict[str, float]:
+        if self._durations is None:
+            config = self.config
+            self._durations = _learned.durations(config) if config is not None else {}
+        return self._durations
 
     def has_core(self) -> bool:
         return self._core is not None
@@ -115,9 +125,18 @@ class Units(Loop):
                     settle=settle,
                     defer=self._may_defer(),
                     boots=_boots.load(self.config) if self.config is not None else (),
+                    backfill=self._backfill(),
                 )
             )
         return self._core
+
+    def _backfill(self) -> int:
+        """How many tests may wait in the queue past a head that waits for devices, so
+        that later ones can be backfilled: not under xdist (its controller hands each
+        worker its tests), and only with earlier runs' durations to go by."""
+        if self.ledger is not None or self.limit < 2 or not self.durations:
+            return 0
+        return max(2 * self.limit, self.lookahead)
 
     def _may_defer(self) -> bool:
         """Whether children may boot unclaimed: not under xdist (a claim is the ledger's

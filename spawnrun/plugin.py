@@ -59,6 +59,8 @@ SCHEDULER_KEY = pytest.StashKey[_drive.Driver]()
 #: Peaks measured in this run (node id -> bytes on its fullest device), for the cache.
 PEAKS_KEY = pytest.StashKey[dict[str, int]]()
 COLLECTED_KEY = pytest.StashKey[_learned.Collected]()
+#: The run's spawned tests' durations (setup, call and teardown), node id -> seconds.
+DURATIONS_KEY = pytest.StashKey[dict[str, float]]()
 #: The files whose tests earlier runs spawned (``_early.remembered``), read once.
 REMEMBERED_KEY = pytest.StashKey[dict[str, "_early.Guess"]]()
 #: Whether the run was told that /proc is missing (once).
@@ -140,8 +142,9 @@ def pytest_configure(config: pytest.Config) -> None:
     _warn_fast_mode_only(config, settings)
     config.stash[INVENTORY_KEY] = inventory
     config.stash[CAPACITY_KEY] = capacity
-    global _peaks, _collected
+    global _peaks, _collected, _durations
     _peaks = config.stash[PEAKS_KEY] = {}
+    _durations = config.stash[DURATIONS_KEY] = {}
     _collected = None
     if not _xdist_controller(config):  # its workers collect, it does not
         _collected = config.stash[COLLECTED_KEY] = _learned.Collected(config)
@@ -525,7 +528,10 @@ def _store_peaks(config: pytest.Config) -> None:
     peaks = config.stash.get(PEAKS_KEY, None)
     if peaks is None or _xdist_worker():
         return  # under xdist the controller stores what its workers' reports carry
-    _learned.store_peaks(config, peaks, config.stash.get(COLLECTED_KEY, None))
+    collected = config.stash.get(COLLECTED_KEY, None)
+    _learned.store(config, _learned.CACHE_PEAKS, peaks, collected)
+    durations = config.stash.get(DURATIONS_KEY, {})
+    _learned.store(config, _learned.CACHE_DURATIONS, durations, collected)
 
 
 #: Under xdist: each worker's summary lines, sent in its ``workeroutput``.
@@ -580,6 +586,8 @@ _logging_report = False
 _peaks: dict[str, int] | None = None
 #: What this run's collection yielded (``COLLECTED_KEY``), for pruning learned peaks.
 _collected: _learned.Collected | None = None
+#: The run's durations of spawned tests (``DURATIONS_KEY``).
+_durations: dict[str, float] | None = None
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -590,11 +598,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> Generator[None, None,
         yield
     finally:
         _logging_report = False
-    peak = dict(getattr(report, "user_properties", ()) or ()).get(_jobs.LEARNED_PEAK)
+    properties = dict(getattr(report, "user_properties", ()) or ())
+    peak = properties.get(_jobs.LEARNED_PEAK)
     if isinstance(peak, (int, float)) and report.when == "teardown":
         # Replayed here from a child, or from an xdist worker in the controller.
         if _peaks is not None:
             _peaks[report.nodeid] = int(peak * 2**20)
+    wall = properties.get(_jobs.WALL_PROPERTY)  # a spawned test's, from its go to its end
+    if isinstance(wall, (int, float)) and report.when == "teardown" and _durations is not None:
+        _durations[report.nodeid] = float(wall)
 
 
 @pytest.hookimpl(wrapper=True)

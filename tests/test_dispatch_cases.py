@@ -451,3 +451,64 @@ def test_a_booting_head_has_the_idle_holders_of_the_devices_it_sees_dismissed() 
     d.step()
     assert d.tests["a"].phase.name == "STARTED", d.tests["a"]
     assert d.children[starts["a"].child].devices == ("0",)
+
+
+def _drain_behind_a_long_test(recorded: bool) -> list[Spec]:
+    """A long budgeted test runs; an exclusive test waits for the device to drain;
+    short budgeted tests come after it. ``recorded``: earlier runs measured them."""
+
+    def test(tid: str, need: int | None, seconds: float) -> Spec:
+        known = seconds if recorded else None
+        return Spec(ev.Test(tid, need=need, duration=known, file="f.py"), duration=seconds)
+
+    specs = [test("long", 2 * GiB, 10.0), test("exclusive", None, 1.0)]
+    return specs + [test(f"short{i}", 2 * GiB, 1.0) for i in range(4)]
+
+
+@pytest.mark.parametrize("recorded", [True, False])
+def test_short_tests_are_backfilled_while_an_exclusive_test_waits_for_a_drain(
+    recorded: bool,
+) -> None:
+    """The short tests waited behind the exclusive one, which waited for the long one:
+    the device ran one test at a time for most of the run (issue 25: exclusive tests
+    drain the device). With records, they run beside the long test and end before it,
+    and the exclusive test starts no later than without them."""
+    specs = _drain_behind_a_long_test(recorded)
+    plain = World(_settings(), specs)  # no backfill: pytest waits at the head
+    backfilled = World(_settings(backfill=4), specs)
+    first, second = plain.run(), backfilled.run()
+    for result in (first, second):
+        assert result.stuck == [] and set(result.ends) == {s.test.id for s in specs}
+    shorts = [f"short{i}" for i in range(4)]
+    if recorded:
+        assert second.time < first.time - 1.5, (first.time, second.time)
+        assert backfilled.went["exclusive"] <= plain.went["exclusive"]
+        assert all(backfilled.went[s] < backfilled.went["exclusive"] for s in shorts)
+    else:  # nothing recorded: today's order
+        assert backfilled.went == plain.went
+
+
+def test_a_template_started_after_a_stop_is_dismissed_once_its_forks_ran() -> None:
+    """Found by the backfilling property: pytest went on past tests waiting for a drain
+    (records said the drain would take long); a later test stopped the session (-x); an
+    earlier one still ran, from a template started after the stop, which was then kept
+    for tests that could not come any more: the run never ended."""
+
+    def test(tid: str, need: int | None, seconds: float, template: str = "") -> Spec:
+        plan = ev.Test(tid, need=need, duration=seconds, template=template, file=tid[:1])
+        return Spec(plan, duration=seconds, boot=1.0 if seconds else 0.1)
+
+    specs = [
+        test("long", 2 * GiB, 8.0),
+        test("alone", None, 1.0),
+        test("t0", None, 0.0, template="tpl x"),
+        test("unfit", 40 * GiB, 0.0),
+    ]
+    settings = _settings(capacity=(("0", 16 * GiB),), per_gpu=1, jobs=2, lookahead=0)
+    result = World(replace(settings, backfill=1), specs, maxfail=1).run()
+    assert result.ends == {
+        "long": ["replay"],
+        "alone": ["replay"],
+        "t0": ["replay"],
+        "unfit": ["report:UNFIT"],
+    }

@@ -29,7 +29,9 @@ FATE_WEIGHTS = ["pass"] * 8 + ["fail"] * 2 + list(FATES)
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> World:
+def scenarios(draw: st.DrawFn, drain: bool = False) -> World:
+    """A random suite. ``drain``: it opens with a long budgeted test and an alone one
+    behind it, and later tests are mostly recorded, so that backfilling is exercised."""
     ndev = draw(st.integers(1, 3))
     devices = tuple(str(i) for i in range(ndev))
     capacity = draw(st.sampled_from([None, 16 * GiB, 80 * GiB]))
@@ -47,7 +49,10 @@ def scenarios(draw: st.DrawFn) -> World:
         poll=0.5,
         patience=50.0,
         defer=draw(st.booleans()),
+        backfill=draw(st.sampled_from([1, 4] if drain else [0, 0, 1, 4])),
     )
+    if drain:
+        config = replace(config, jobs=max(config.jobs, 2))
     files = ["file0", "file1", "file2", "filescope a", "filescope b", "filetpl x", "filetpl y"]
     touches = {f: draw(st.sampled_from(["", "", ev.DRIVER, ev.CONTEXT])) for f in files}
     # What an earlier run saw of some files (true: a file that changed is booted anew).
@@ -62,6 +67,10 @@ def scenarios(draw: st.DrawFn) -> World:
         count = draw(st.sampled_from([1, 1, 1, 0, 2]))
         need = draw(st.sampled_from([None, None, 2 * GiB, 4 * GiB, 40 * GiB]))
         timeout = draw(st.sampled_from([None, None, None, 1.5, 4.0]))
+        seconds = draw(st.sampled_from([0.0, 0.2, 1.0, 3.0]))
+        # What an earlier run measured: nothing, the truth, or a record far off.
+        records = [None, seconds, seconds, seconds * 3, seconds / 4]
+        recorded = draw(st.sampled_from(records[1:3] * 3 + records if drain else records))
         test = ev.Test(
             f"t{i}",
             count=min(count, ndev),
@@ -70,19 +79,30 @@ def scenarios(draw: st.DrawFn) -> World:
             scope=scope,
             template=template,
             timeout=timeout,
+            duration=recorded,
             key=f"file{grouping or i % 3}",
             file=f"file{grouping or i % 3}",
         )
         specs.append(
             Spec(
                 test,
-                duration=draw(st.sampled_from([0.0, 0.2, 1.0, 3.0])),
+                duration=seconds,
                 boot=draw(st.sampled_from([0.1, 0.5, 2.0])),
                 fate=draw(st.sampled_from(FATE_WEIGHTS)),
                 release=draw(st.sampled_from([0.0, 0.0, 0.5, 5.0])),
                 touches=touches[test.file],
             )
         )
+    if drain:
+        head = [
+            Spec(
+                ev.Test(tid, need=need, duration=seconds, file="file0", key="file0"),
+                seconds,
+                touches=touches["file0"],
+            )
+            for tid, need, seconds in (("long", 2 * GiB, 8.0), ("alone", None, 1.0))
+        ]
+        specs = head + specs
     peers = draw(
         st.lists(
             st.tuples(
@@ -95,7 +115,7 @@ def scenarios(draw: st.DrawFn) -> World:
         )
     )
     if peers:  # xdist: children claim through the ledger at their start (never deferred)
-        config = replace(config, defer=False)
+        config = replace(config, defer=False, backfill=0)
     expect = tuple((f"file{k}", 1, None) for k in draw(st.lists(st.sampled_from("012"))))
     return World(
         config,
@@ -130,6 +150,16 @@ SETTINGS = settings(
 @SETTINGS
 @given(scenarios())
 def test_every_test_ends_once_and_nothing_is_stuck(world: World) -> None:
+    _every_test_ends_once_and_nothing_is_stuck(world)
+
+
+@SETTINGS
+@given(scenarios(drain=True))
+def test_backfilling_keeps_every_test_ending_once_and_nothing_stuck(world: World) -> None:
+    _every_test_ends_once_and_nothing_is_stuck(world)
+
+
+def _every_test_ends_once_and_nothing_is_stuck(world: World) -> None:
     result = world.run()
     submitted = result.dispatcher.submitted
     for test in submitted:

@@ -412,3 +412,44 @@ def test_peaks_of_tests_a_whole_file_no_longer_yields_are_dropped(pytester):
     pytester.makepyfile(test_a=body.format("one") + "\n\n" + body.format("three"))
     pytester.runpytest_subprocess("-k", "one", *args).assert_outcomes(passed=1, deselected=1)
     assert sorted(json.loads(peaks.read_text())) == ["test_a.py::test_one"]
+
+
+def test_short_tests_are_backfilled_while_an_exclusive_test_waits_on_a_later_run(pytester, stamps):
+    """An exclusive test waits for a long budgeted one to leave the device; short
+    budgeted tests after it waited too, one drain each (issue 25). On a later run, with
+    their durations recorded, they run beside the long test meanwhile and end before it;
+    the exclusive test still runs alone. On the first run nothing is recorded: the order
+    is pytest's."""
+    pytester.makepyfile(
+        test_drain="""
+        import pytest
+        from stamping import stamp
+
+        @pytest.mark.gpu(memory="2GiB")
+        def test_a_long():
+            stamp("long", 7.0)
+
+        @pytest.mark.gpu(exclusive=True)
+        def test_b_exclusive():
+            stamp("exclusive", 0.2)
+
+        @pytest.mark.parametrize("i", range(2))
+        @pytest.mark.gpu(memory="2GiB")
+        def test_c_short(i):
+            stamp(f"short{i}", 0.2)
+        """
+    )
+    args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-jobs", "3"]
+    shorts = ["short0", "short1"]
+    for run in ("first", "later"):
+        stamps.unlink(missing_ok=True)
+        pytester.runpytest_subprocess(*args).assert_outcomes(passed=4)
+        seen = read_stamps(stamps)
+        assert overlapping(seen, "exclusive") == [], seen  # alone, as declared
+        if run == "first":
+            assert all(seen[s]["start"] > seen["exclusive"]["end"] for s in shorts), seen
+        else:
+            assert all(seen[s]["end"] < seen["long"]["end"] for s in shorts), seen
+    durations = pytester.path / ".pytest_cache" / "v" / "spawnrun" / "durations"
+    recorded = json.loads(durations.read_text())
+    assert 7.0 <= recorded["test_drain.py::test_a_long"] < 30, recorded

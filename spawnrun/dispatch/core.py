@@ -160,6 +160,8 @@ class Dispatcher(Ends):
                 if tid in self.queue:
                     self.queue.remove(tid)
             elif placed in ("blocked", "booting"):
+                if placed == "blocked":
+                    self._backfill(self.tests[tid])
                 # A head whose own child boots takes its devices as soon as they are
                 # free (its boot limit starts then): idle holders go for it too.
                 self._preempt(self.tests[tid].test)
@@ -239,6 +241,31 @@ class Dispatcher(Ends):
         child = self.start(Kind.FORK, devices, test.need, test, parent=template.id)
         entry.phase, entry.child = Phase.STARTED, child.id
         return "started"
+
+    def _backfill(self, head: Entry) -> None:
+        """While the head waits for devices that running tests hold, start later tests
+        that fit now and, by what earlier runs measured, end before the head could start
+        (EASY backfilling: the head is never delayed, as far as the records hold). pytest
+        goes on past such a head, so that later tests reach the queue; where nothing is
+        recorded, nothing is backfilled and pytest waits at the head as before."""
+        if not self.settings.backfill or self.stopping or self.in_slot() >= self.settings.jobs:
+            return
+        shadow = self.shadow(head.test)
+        if shadow is None or shadow <= self.now:
+            return
+        if len(self.queue) <= self.settings.backfill:
+            head.passed = True
+        for tid in self.queue[self.queue.index(head.test.id) + 1 :]:
+            if self.in_slot() >= self.settings.jobs:
+                return
+            entry = self.tests[tid]
+            ends = self.would_end(entry.test)
+            if ends is None or ends > shadow or not self.fits_now(entry.test):
+                continue
+            if self._place(entry) in ("started", "ended") and tid in self.queue:
+                self.queue.remove(tid)
+            # A test backfilled is passed too: what comes after it may reach the queue.
+            entry.passed = entry.passed or len(self.queue) <= self.settings.backfill
 
     def _preempt(self, head: ev.Test) -> None:
         """Dismiss the idle children whose claims keep the head from devices it could have.

@@ -106,10 +106,15 @@ class Ends(Run):
 
     def _learn_boot(self, child: Child, touched: str) -> None:
         """What a boot of its test's file touched: later children of the file boot
-        unclaimed unless it makes a context."""
-        if child.kind in (Kind.SPAWN, Kind.SCOPE, Kind.EARLY) and child.test in self.tests:
-            test = self.tests[child.test].test
+        unclaimed unless it makes a context. And how long it took, for backfilling."""
+        if child.test not in self.tests:
+            return
+        test = self.tests[child.test].test
+        if child.kind in (Kind.SPAWN, Kind.SCOPE, Kind.EARLY):
             self.boots[test.file or test.id] = touched
+        key = (child.kind is Kind.FORK, test.file or test.id)
+        took = self.now - child.since
+        self.boot_seconds[key] = max(took, self.boot_seconds.get(key, 0.0))
 
     def _made_context(self, child: Child) -> None:
         """An unclaimed boot made a context after all (its file changed since the run
@@ -233,13 +238,15 @@ class Ends(Run):
                 self.dismiss(child)
 
     def _dismiss_unneeded(self) -> None:
-        """Idle children whose next test cannot come any more are dismissed."""
+        """Idle children whose next test cannot come any more are dismissed (once
+        pytest submitted its last test, or the session stops: nothing new comes)."""
+        closed = self.last or bool(self.stopping)
         for child in self.live_children():
             if child.state not in (*IDLE, State.STARTING) or child.kind is Kind.FORK:
                 continue
             child.members = [m for m in child.members if self._may_come(m, child)]
             if child.kind is Kind.TEMPLATE:
-                wanted = not self.last or any(
+                wanted = not closed or any(
                     self.tests[t].test.template == child.key for t in self.queue
                 )
             elif child.test:
@@ -248,12 +255,12 @@ class Ends(Run):
                 wanted = (
                     mine
                     or entry.phase is Phase.WAITING
-                    or (entry.phase is Phase.KNOWN and not self.last)
+                    or (entry.phase is Phase.KNOWN and not closed)
                 )
             elif child.state is State.BETWEEN:
-                wanted = bool(child.members) and (not self.last or child.members[0] in self.queue)
+                wanted = bool(child.members) and (not closed or child.members[0] in self.queue)
             else:  # started early, not taken yet
-                wanted = not self.last
+                wanted = not closed
             if not wanted:
                 child.test = ""
                 self.dismiss(child)

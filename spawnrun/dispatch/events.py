@@ -37,7 +37,8 @@ class Test:
     scope: str = ""
     template: str = ""
     timeout: float | None = None
-    #: What earlier runs measured (seconds), for ordering; None: unknown.
+    #: What earlier runs measured of its setup, call and teardown (seconds), for
+    #: backfilling; None: unknown.
     duration: float | None = None
     key: str = ""
     #: The file whose collection its child runs ("": the test's own id): what a boot of
@@ -329,7 +330,9 @@ class Settings:
     test waiting for another worker's devices looks again; ``patience``: waits longer
     than this get a warning once; ``defer``: children of files whose boot is known not
     to make a context boot unclaimed (``Start.deferred``); ``boots``: what earlier runs
-    saw each file's boot touch (``Booted.touched``).
+    saw each file's boot touch (``Booted.touched``); ``backfill``: how many tests may
+    wait in the queue past a head that waits for devices (0: pytest waits at the head, and
+    nothing is backfilled).
     """
 
     devices: tuple[str, ...] = ("0",)
@@ -346,3 +349,4 @@ class Settings:
     patience: float = 600.0
     defer: bool = False
     boots: tuple[tuple[str, str], ...] = ()
+    backfill: int = 0

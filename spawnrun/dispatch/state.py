@@ -40,6 +40,8 @@ class Entry:
     failed_ahead: str = ""
     warned: bool = False
     ended_by: str = ""
+    #: pytest went on past it while it waited for devices (``Settings.backfill``).
+    passed: bool = False
 
 
 class Run:
@@ -65,6 +67,9 @@ class Run:
         #: this one saw it: a file's children boot unclaimed once it is known not to
         #: make a context.
         self.boots: dict[str, str] = dict(settings.boots)
+        #: The longest boot seen this run, by (a fork?, file): from a child's start to
+        #: its ``Booted``, for backfilling.
+        self.boot_seconds: dict[tuple[bool, str], float] = {}
         #: Free memory per device as NVML last said (absent: unknown).
         self.free: dict[str, int | None] = {}
         self.stopping = ""
@@ -240,6 +245,70 @@ class Run:
         """A deferred child whose devices are not assigned yet."""
         return child.deferred and not child.devices
 
+    #: A recorded duration is taken as this much longer, and this many seconds more:
+    #: runs vary, and a test backfilled must end before the head's start.
+    SLACK = (1.25, 0.25)
+
+    def ends_at(self, child: Child) -> float | None:
+        """When a child holding devices will let them go, by its test's record (None:
+        unknown; an idle child, dismissed for a head, or one ending: now)."""
+        if child.state in (*IDLE, State.EXITING, State.KILLED, State.SETTLING):
+            return self.now
+        entry = self.tests.get(child.test) if child.test else None
+        if entry is None or entry.test.duration is None:
+            return None
+        if child.state is State.RUNNING:
+            return child.since + entry.test.duration
+        boot = self.boot_seconds.get((child.kind is Kind.FORK, entry.test.file or entry.test.id))
+        if child.state is not State.STARTING or boot is None:
+            return None
+        return child.since + boot + entry.test.duration
+
+    def shadow(self, head: ev.Test) -> float | None:
+        """The earliest the head could start if every child that holds a device it may
+        use lets it go when its record says (None: some holder's end is unknown)."""
+        among = self.bound_to(head) or self.pool.ids
+        ends: dict[str, list[float]] = {d: [] for d in among}
+        for child in self.live_or_settling():
+            if self.idle_holder(child, head):
+                continue  # it runs a test backfilled, or is dismissed for the head
+            for device in set(child.devices) & set(among):
+                end = self.ends_at(child)
+                if end is None:
+                    return None
+                ends[device].append(end)
+        wanted = self.wanted(head)
+        if wanted == 0 or wanted > len(ends):
+            return None
+        if head.need is not None:  # a budget: perhaps as soon as any holder has gone
+            return min((min(e) if e else self.now) for e in ends.values())
+        # Alone: once every holder of each of ``wanted`` devices has gone.
+        return sorted((max(e) if e else self.now) for e in ends.values())[wanted - 1]
+
+    def would_end(self, test: ev.Test) -> float | None:
+        """When ``test`` would end if it started now (its child's boot included), by
+        its record and the longest boot of its file seen this run (None: unknown)."""
+        if test.duration is None or test.scope:
+            return None
+        own = self.child_for(test)
+        if own is not None and own.state in IDLE:
+            boot = 0.0
+        else:
+            boot_of = self.boot_seconds.get((bool(test.template), test.file or test.id))
+            if boot_of is None:
+                return None
+            boot = boot_of
+        factor, extra = self.SLACK
+        return self.now + (boot + test.duration) * factor + extra
+
+    def fits_now(self, test: ev.Test) -> bool:
+        """Whether ``test`` could run now: its own booted child holds its devices, or
+        its claim fits."""
+        own = self.child_for(test)
+        if own is not None and own.state is State.READY and own.devices:
+            return True
+        return self.choose(test) is not None
+
     def can_ever_fit(self, test: ev.Test) -> bool:
         count = self.wanted(test)
         empty = _packing.Pool(self.pool.ids, self.pool.capacity, self.pool.per_gpu, 0)
@@ -361,6 +430,8 @@ class Run:
         entry = self.tests.get(test)
         if entry is None or entry.phase in (Phase.STARTED, Phase.ENDED):
             return entry is not None
+        if entry.phase is Phase.WAITING and entry.passed:
+            return True
         if entry.phase is not Phase.WAITING or not entry.test.scope:
             return False
         child = self.scope_child(entry.test.scope)

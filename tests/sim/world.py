@@ -157,6 +157,8 @@ class World:
         self.stop_due: tuple[str, str] | None = None
         self.steps = 0
         self.log: list[ev.Action] = []
+        #: When each test got its go.
+        self.went: dict[str, float] = {}
         capacity = dict(settings.capacity)
         self.capacity = {dv: capacity.get(dv) for dv in settings.devices}
 
@@ -394,7 +396,7 @@ class World:
         spec = self.specs[a.test]
         proc.running = a.test
         proc.ran.append(a.test)
-        start = self.now
+        start = self.went[a.test] = self.now
         end = start + spec.duration
         fate = spec.fate
         proc.last_fate = fate
