@@ -399,7 +399,10 @@ def test_peaks_of_tests_a_whole_file_no_longer_yields_are_dropped(pytester):
         path = pytester.path / name
         path.parent.mkdir(exist_ok=True)
         path.write_text(text)
-    body = "import pytest\n\n@pytest.mark.gpu\ndef test_{}():\n    import torch\n    torch.cuda.init()\n"
+    body = (
+        "import pytest\n\n@pytest.mark.gpu\ndef test_{}():\n"
+        "    import torch\n    torch.cuda.init()\n"
+    )
     pytester.makepyfile(test_a=body.format("one") + "\n\n" + body.format("two"))
     args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-pack", "auto"]
     peaks = pytester.path / ".pytest_cache" / "v" / "spawnrun" / "peaks"
