@@ -20,6 +20,11 @@ Builds its suites in a temporary folder and runs, in one invocation (on one H200
    not depend on it), then the second run is measured in fast mode and in default mode,
    on that cache. ``--auto-learn each``: each mode in a folder of its own, run twice (one
    learning run more, ~1 min on an H200).
+5. mixed: 48 tests in 3 files, in an order that mixes them: 32 budgeted (0.1-0.6 s of
+   matmuls holding 0.5-1.5 GiB, budgets of 1-3 GiB), 8 bare ``gpu`` tests, 6
+   ``exclusive=True``, 2 ``count=0``: plain, ``-n 8``, then spawnrun default and fast
+   mode, each twice in a folder of its own with pytest's cache kept (the second run has
+   the first one's records: durations, boots). No option beyond the marker.
 
 Every test appends a stamp (JSON line: node id, pid, start and end wall-clock,
 ``CUDA_VISIBLE_DEVICES``, ``SPAWNRUN_GPU_BUDGET``, the device's UUID, free and total
@@ -175,6 +180,50 @@ def test_leak(i):
         KEPT.append(torch.empty(1 << 20, dtype=torch.uint8))
     time.sleep(0.2)
 """
+
+MIXED_HEAD = """
+import os
+import time
+
+import pytest
+import torch
+
+DEVICE = "cuda" if os.environ.get("PACKING_DEVICE", "cuda") == "cuda" else "cpu"
+
+
+def work(seconds, gib):
+    held = torch.empty(int(gib * 2**30) // 4 if DEVICE == "cuda" else 1024, device=DEVICE)
+    a = torch.randn(512, 512, device=DEVICE)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        for _ in range(10):
+            a = (a @ a).clamp_(-1, 1)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    del held
+"""
+
+
+def mixed_files() -> dict[str, str]:
+    """The mixed suite: 48 tests over 3 files, kinds interleaved in a fixed order."""
+    kinds = ["budget"] * 32 + ["bare"] * 8 + ["exclusive"] * 6 + ["count0"] * 2
+    order = sorted(range(len(kinds)), key=lambda i: (i * 37) % len(kinds))
+    files: dict[str, list[str]] = {f"test_mixed_{f}.py": [MIXED_HEAD] for f in range(3)}
+    for n, i in enumerate(order):
+        kind = kinds[i]
+        if kind == "budget":
+            mark = f'gpu(memory="{1 + i % 3}GiB")'
+            body = f"work({0.1 + 0.1 * (i % 6):.1f}, {0.5 + 0.5 * (i % 3):.1f})"
+        elif kind == "bare":
+            mark, body = "gpu", "work(0.3, 0.5)"
+        elif kind == "exclusive":
+            mark, body = "gpu(exclusive=True)", "work(0.2, 0.5)"
+        else:
+            mark, body = "gpu(count=0)", "time.sleep(0.1)"
+        text = f"\n\n@pytest.mark.{mark}\ndef test_{n:02d}_{kind}():\n    {body}\n"
+        files[f"test_mixed_{n % 3}.py"].append(text)
+    return {name: "".join(parts) for name, parts in files.items()}
+
 
 BUDGET_MARK = 'pytest.mark.gpu(memory="2GiB")'
 NO_SPAWNRUN = ["-p", "no:spawnrun"]
@@ -479,6 +528,23 @@ def plan(b: Bench) -> list[Planned]:
             Planned("leak", "spawnrun fast auto, run 1", [*FAST, *AUTO], 3, 10, "leak auto"),
             Planned("leak", "spawnrun fast auto, run 2", [*FAST, *AUTO], 3, 10, "leak auto"),
         ]
+    if "mixed" in o.cases:
+        plain_mixed = 0.3 * 48 + 6
+        rows += [
+            Planned("mixed", "plain", NO_SPAWNRUN, 48, plain_mixed, "mixed"),
+            Planned(
+                "mixed",
+                f"xdist -n {o.xdist}",
+                [*NO_SPAWNRUN, "-n", str(o.xdist)],
+                48,
+                plain_mixed / 2,
+                "mixed",
+            ),
+        ]
+        for mode, extra in (("default", []), ("fast", FAST)):
+            for run_ in (1, 2):
+                label = f"spawnrun {mode}, run {run_}"
+                rows.append(Planned("mixed", label, extra, 48, plain_mixed, f"mixed {mode}"))
     if "auto" in o.cases:
         for mode, extra, t in (("fast", FAST, fast), ("default", [], 1.5 * plain)):
             # --auto-learn once: fast mode's learning run serves both modes.
@@ -502,6 +568,7 @@ def execute(b: Bench) -> None:
             f"test_ex_{i:03d}.py": EXCLUSIVE.format(i=i) for i in range(o.exclusive_tests)
         },
         "leak": {"test_leak.py": LEAK},
+        "mixed": mixed_files(),
         "auto": {
             "test_work.py": WORK.format(body=o.body_seconds, mark="pytest.mark.gpu", n=o.tests)
         },
@@ -528,7 +595,7 @@ def execute(b: Bench) -> None:
             warm = make_suite(b.root, "warm-up", texts["exclusive"])
             run(warm, NO_SPAWNRUN, o.run_timeout, None, env=_env(o, os.devnull))
         env = {"PACKING_BODY_SECONDS": str(o.learn_body_seconds)} if p.learns else {}
-        cache = AUTO[0] in p.args
+        cache = AUTO[0] in p.args or p.case == "mixed"
         if o.warm and p.case in ("throughput", "exclusive"):
             cache = True
             if m.spawnrun and p.folder not in warmed:
@@ -586,9 +653,11 @@ def _verdict(runs: list[Measured], met: bool) -> str:
     return "met" if met else "MISSED"
 
 
-def _wall_target(b: Bench, case: str, mode: str, ref: str, limit: float) -> TargetResult:
+def _wall_target(
+    b: Bench, case: str, mode: str, ref: str, limit: float, ref_case: str = "throughput"
+) -> TargetResult:
     label = f"{case}: {mode} vs {ref}"
-    mine, theirs = b.find(case, mode), b.find("throughput", ref)
+    mine, theirs = b.find(case, mode), b.find(ref_case, ref)
     if mine is None or theirs is None or mine.wall is None or not theirs.wall:
         return TargetResult(label, f"<= {limit:.1f}x", "", "not measured")
     ratio = mine.wall / theirs.wall
@@ -670,16 +739,21 @@ def targets(b: Bench) -> list[TargetResult]:
         found.append(_wall_target(b, case, fast, "plain", 1.0))
         found.append(_wall_target(b, case, fast, x, 1.3))
         found.append(_wall_target(b, case, default, "plain", 1.5))
+    if "mixed" in b.opts.cases:  # issue 25: no option beyond the marker
+        for mode, limit in (("fast, run 1", 1.2), ("fast, run 2", 1.0), ("default, run 2", 1.0)):
+            found.append(_wall_target(b, "mixed", f"spawnrun {mode}", "plain", limit, "mixed"))
     return found + _exclusive_targets(b) + _leak_targets(b) + _overrun_targets(b)
 
 
 def report(b: Bench) -> None:
     x = b.find("throughput", f"xdist -n {b.opts.xdist}")
-    for case in ("throughput", "auto", "exclusive", "leak"):
+    for case in ("throughput", "auto", "exclusive", "leak", "mixed"):
         rows = [m for m in b.results if m.case == case]
         if not rows:
             continue
-        plain = b.find("exclusive" if case == "exclusive" else "throughput", "plain")
+        if case == "mixed":
+            x = b.find("mixed", f"xdist -n {b.opts.xdist}")
+        plain = b.find(case if case in ("exclusive", "mixed") else "throughput", "plain")
         third = {"exclusive": "ms/test", "leak": "shared"}.get(case, "vs -n")
         print(f"\n{case}:")
         print(
@@ -778,7 +852,7 @@ def _fmt(v: float | None) -> str:
 
 def main() -> None:
     parser = script_parser(__doc__)
-    cases = ["throughput", "exclusive", "leak", "auto"]
+    cases = ["throughput", "exclusive", "leak", "auto", "mixed"]
     parser.add_argument("--cpu", action="store_true", help="dry run without CUDA (see below)")
     parser.add_argument("-n", "--tests", type=int, help="throughput tests (64; --cpu: 8)")
     parser.add_argument("--body-seconds", type=float, help="work per test (0.3; --cpu: 0.1)")

@@ -24,6 +24,7 @@ import time
 import traceback
 import types
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import IO
 from typing import Any
 from typing import NoReturn
@@ -34,6 +35,7 @@ from spawnrun import _budget
 from spawnrun import _bytecode
 from spawnrun import _coverage
 from spawnrun import _forksafe
+from spawnrun import _libraries
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
@@ -51,6 +53,8 @@ ACTIVE = False
 FORKING_PLUGINS = ("pytest_forked", "forked")
 
 _MAX_LISTED_IDS = 10
+#: At most this many modules a test imported are told (``Done.imported``).
+_MAX_IMPORTED = 2000
 #: How much of the child's own terminal output explains an early end.
 _EARLY_TAIL = 8000
 #: A captured-output section longer than this keeps only its tail, so a test that
@@ -191,6 +195,8 @@ class _Relay:
         self.terminal_from = -1
         #: Where the child's terminal reporter writes (set at configure).
         self.sink: _Sink | None = None
+        #: The modules the process had once booted (None: not booted).
+        self.boot_modules: frozenset[str] | None = None
 
     def send(self, msg: proto.Message) -> None:
         # Plain data only, whatever the test put in it (a tensor, an instance of a class
@@ -301,7 +307,9 @@ class _Relay:
                 # The test is over: give the device back before the session's end, so
                 # the next test on it waits only for memory that is really still held.
                 _probe.release_devices()
-                self.send(proto.Done(self.notes, self._terminal_since(), peak, per_device))
+                terminal = self._terminal_since()
+                imported = self._imported()
+                self.send(proto.Done(self.notes, terminal, peak, per_device, imported=imported))
                 if self.sink is not None:
                     self.sink.to_own()  # the session's end is no part of the test
             elif self.notes:
@@ -340,6 +348,7 @@ class _Relay:
             return
         unsafe = _zygote_refusal() if self.spec.fork_each else ""
         touched = _forksafe.boot_touch()
+        self.boot_modules = frozenset(sys.modules)
         self.send(
             proto.Booted(os.getpid(), True, not_a_template=unsafe, waited=waited, touched=touched)
         )
@@ -421,12 +430,26 @@ class _Relay:
         _probe.reset_peaks()
         return self._await_go(by_id)
 
+    def _imported(self) -> list[str]:
+        """Libraries imported since the boot (or the scope's previous test), at most
+        ``_MAX_IMPORTED``: a later run's template may preload them."""
+        if self.boot_modules is None or self.config is None:
+            return []
+        found = _libraries.imported_since(self.boot_modules, Path(str(self.config.rootpath)))
+        self.boot_modules = frozenset(sys.modules)
+        return found[:_MAX_IMPORTED]
+
     def _done_for_now(self) -> None:
         """Say the test is done; the process waits for another (``Done.more``)."""
         peak, per_device = _peaks()
         held = _probe.allocated()
         terminal = self._terminal_since()
-        self.send(proto.Done(self.notes, terminal, peak, per_device, more=True, held_bytes=held))
+        imported = self._imported()
+        self.send(
+            proto.Done(
+                self.notes, terminal, peak, per_device, True, held_bytes=held, imported=imported
+            )
+        )
         self.notes = []
 
     def _await_go(self, by_id: dict[str, Any]) -> Any:

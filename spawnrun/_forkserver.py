@@ -22,7 +22,6 @@ import contextlib
 import os
 import pickle
 import signal
-import sys
 import time
 import types
 from collections.abc import Mapping
@@ -33,11 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from spawnrun import _bytecode
+from spawnrun import _learned
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _settings
+from spawnrun._libraries import is_library
+from spawnrun._libraries import library_modules
 
 #: How long the template may take to import what it is told (all of it, rebuilds too).
 BOOT_LIMIT = 600.0
@@ -273,9 +275,11 @@ class ZygoteHolder:
         self.base = _dedupe(["pytest", "spawnrun.plugin", *self.preload])
         self._remembered(config)
         self.rewrite = rewrite_of(config)
+        # Plugins' modules, then what earlier runs' tests imported (learned preloads).
+        wanted = _dedupe([*plugin_modules(config, self.rootdir), *_learned.preloads(config)])
         self.optional = [
             m
-            for m in plugin_modules(config, self.rootdir)
+            for m in wanted
             if m not in self.base and self._may_preload(m) and _top(m) not in self.excluded
         ]
         self.zygote = self._make(config, self.base)
@@ -462,36 +466,6 @@ def plugin_modules(config: Any, rootdir: Path) -> list[str]:
     """Modules of the plugins the parent loaded, outside the suite's own folder."""
     names = []
     for _, plugin in config.pluginmanager.list_name_plugin():
-        if isinstance(plugin, types.ModuleType) and _is_library(plugin, rootdir):
+        if isinstance(plugin, types.ModuleType) and is_library(plugin, rootdir):
             names.append(plugin.__name__)
     return names
-
-
-def library_modules(rootdir: Path) -> list[str]:
-    """Third-party modules this process imported, in import order: the automatic preload.
-
-    Never a module below the rootdir (the suite, its conftests, an editable install of
-    the project under test), never the standard library (already cheap), never
-    spawnrun or ``__main__``.
-    """
-    return [name for name, module in list(sys.modules.items()) if _is_library(module, rootdir)]
-
-
-_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
-
-
-def _is_library(module: Any, rootdir: Path) -> bool:
-    name = getattr(module, "__name__", "") or ""
-    top = name.partition(".")[0]
-    if not name or top in _STDLIB or top in ("spawnrun", "__main__", "conftest"):
-        return False
-    if name.startswith("_pytest") or top == "pytest":
-        return False  # pytest itself comes first, whole
-    filename = getattr(module, "__file__", None)
-    if not filename:
-        return False
-    try:
-        path = Path(filename).resolve()
-    except (OSError, ValueError):
-        return False
-    return not path.is_relative_to(rootdir) and not path.name.startswith("conftest")

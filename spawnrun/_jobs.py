@@ -40,6 +40,7 @@ from spawnrun import _devices
 from spawnrun import _early
 from spawnrun import _ending
 from spawnrun import _inventory
+from spawnrun import _learned
 from spawnrun import _packing
 from spawnrun import _poison
 from spawnrun import _protocol as proto
@@ -415,6 +416,7 @@ class Job:
         elif isinstance(msg, proto.Interrupted):
             self.interrupted = msg
         elif isinstance(msg, proto.Done):
+            _learned.saw_imports(self.item.config, msg.imported)
             replay.terminal = msg.terminal
             self.peak_device_bytes = msg.peak_device_bytes
             self.held_after = msg.held_bytes

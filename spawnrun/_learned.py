@@ -20,6 +20,12 @@ import pytest
 CACHE_PEAKS = "spawnrun/peaks"
 #: Where learned durations live: node id -> seconds (setup, call and teardown).
 CACHE_DURATIONS = "spawnrun/durations"
+#: Where learned preloads live: the third-party modules tests imported, in import order.
+CACHE_PRELOADS = "spawnrun/preloads"
+#: The most modules kept there.
+MAX_PRELOADS = 3000
+#: This run's tests' imports (``Done.imported``), in the order they were told.
+IMPORTED_KEY = pytest.StashKey[dict[str, None]]()
 
 
 def peaks(config: pytest.Config) -> dict[str, int]:
@@ -43,6 +49,34 @@ def _load(config: pytest.Config, key: str) -> dict[str, int | float]:
         for k, v in stored.items()
         if isinstance(v, ok) and not isinstance(v, bool) and v >= 0
     }
+
+
+def preloads(config: pytest.Config) -> list[str]:
+    """The modules earlier runs' tests imported that their boots had not."""
+    cache = getattr(config, "cache", None)
+    stored = cache.get(CACHE_PRELOADS, []) if cache is not None else []
+    if not isinstance(stored, list):
+        return []
+    return [str(m) for m in stored if isinstance(m, str) and m][:MAX_PRELOADS]
+
+
+def saw_imports(config: pytest.Config, modules: list[str]) -> None:
+    """A test's child imported ``modules`` (third-party, not imported by its boot)."""
+    if modules:
+        seen = config.stash.setdefault(IMPORTED_KEY, {})
+        seen.update(dict.fromkeys(str(m) for m in modules))
+
+
+def store_preloads(config: pytest.Config) -> None:
+    """Keep the earlier runs' list with this run's new modules after it."""
+    cache = getattr(config, "cache", None)
+    seen = config.stash.get(IMPORTED_KEY, {})
+    if cache is None or not seen:
+        return
+    old = preloads(config)
+    merged = list(dict.fromkeys([*old, *seen]))[:MAX_PRELOADS]
+    if merged != old:
+        cache.set(CACHE_PRELOADS, merged)
 
 
 class Collected:

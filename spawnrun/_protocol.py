@@ -29,7 +29,7 @@ from dataclasses import field
 from dataclasses import replace
 from typing import Any
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 @dataclass(frozen=True)
@@ -219,6 +219,9 @@ class Done:
     more: bool = False
     #: With ``more``: what torch still has allocated on its devices after the test.
     held_bytes: int | None = None
+    #: Third-party modules the test imported that its boot had not (in import order):
+    #: what a later run's template preloads (``_learned.preloads``).
+    imported: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

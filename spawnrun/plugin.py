@@ -532,6 +532,7 @@ def _store_peaks(config: pytest.Config) -> None:
     _learned.store(config, _learned.CACHE_PEAKS, peaks, collected)
     durations = config.stash.get(DURATIONS_KEY, {})
     _learned.store(config, _learned.CACHE_DURATIONS, durations, collected)
+    _learned.store_preloads(config)
 
 
 #: Under xdist: each worker's summary lines, sent in its ``workeroutput``.

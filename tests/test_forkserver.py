@@ -472,3 +472,45 @@ def test_what_made_a_template_unsafe_is_left_out_from_the_start_next_time(pytest
         counts.append(len(set(importers.read_text().split())))
     # The parent and both children each time; the first run's first template too.
     assert counts == [4, 3]
+
+
+def test_libraries_tests_imported_are_preloaded_on_the_next_run(pytester, monkeypatch):
+    """A module fixture or test body that imports a library (transformers) paid for that
+    import in every child, on every run: the template preloads only what collection
+    imported. Now what the tests imported last time is preloaded; one that makes the
+    template unsafe is left out as before, and the tests pass either way."""
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    libs.mkdir()
+    record = "import os\nIMPORTED_IN = os.getpid()\n"
+    (libs / "heavylib.py").write_text(record)
+    (libs / "threadlib.py").write_text(
+        record + "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    pytester.makepyfile(
+        test_libs="""
+        import json, os
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def lib():
+            import heavylib, threadlib
+            return heavylib, threadlib
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_x(x, lib):
+            with open(f"where{x}.json", "w") as f:
+                json.dump([m.IMPORTED_IN == os.getpid() for m in lib], f)
+        """
+    )
+    seen = []
+    for _ in range(2):
+        result = pytester.runpytest_subprocess("--spawn-method", "forkserver", "-W", "default")
+        result.assert_outcomes(passed=2, warnings=len(seen))  # threadlib left out: a warning
+        seen.append([json.loads((pytester.path / f"where{x}.json").read_text()) for x in (1, 2)])
+    assert seen[0] == [[True, True], [True, True]]  # each test's own process imported both
+    assert seen[1] == [[False, True], [False, True]]  # heavylib came with the template
+    preloads = json.loads((pytester.path / ".pytest_cache/v/spawnrun/preloads").read_text())
+    assert preloads == ["heavylib", "threadlib"]
