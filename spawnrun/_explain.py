@@ -3,8 +3,9 @@
 Runs in the parent, after collection, from the plans decided for each test (``_plan``):
 spawned or in-process and why, its devices, its budget and where it came from (declared
 or learned) or why it runs alone, the scope whose child it shares or the template it is
-forked from, and whether its child may boot unclaimed (``_boots``). One line per test,
-in the order pytest would run them; nothing is started.
+forked from, whether its child may boot unclaimed (``_boots``), and what an earlier run
+measured of its duration, by which it may be backfilled (``dispatch.core``). One line
+per test, in the order pytest would run them; nothing is started.
 """
 
 from __future__ import annotations
@@ -26,14 +27,21 @@ def lines(
     settings: _settings.Settings,
     boots: Mapping[str, str],
     header: Sequence[str],
+    durations: Mapping[str, float] | None = None,
 ) -> list[str]:
+    """``durations``: what earlier runs measured, where backfilling is on (None: off)."""
     out = list(header)
     for item in items:
-        out.append(f"{item.nodeid}: {describe(item, settings, boots)}")
+        out.append(f"{item.nodeid}: {describe(item, settings, boots, durations)}")
     return out
 
 
-def describe(item: pytest.Item, settings: _settings.Settings, boots: Mapping[str, str]) -> str:
+def describe(
+    item: pytest.Item,
+    settings: _settings.Settings,
+    boots: Mapping[str, str],
+    durations: Mapping[str, float] | None = None,
+) -> str:
     skip = item.get_closest_marker("skip")
     if skip is not None and not item.stash.get(SPAWNS_KEY, False):
         reason = skip.kwargs.get("reason") or (skip.args[0] if skip.args else "")
@@ -54,7 +62,18 @@ def describe(item: pytest.Item, settings: _settings.Settings, boots: Mapping[str
         parts.append(f"shares a child: {plan.scope}")
     if plan.count or plan.every:
         parts.append(_boot(str(item.path), boots))
+        if durations is not None and not plan.scope:
+            parts.append(_backfill(durations.get(item.nodeid)))
     return "; ".join(parts)
+
+
+def _backfill(seconds: float | None) -> str:
+    if seconds is None:
+        return "no duration recorded yet (it starts in pytest's order)"
+    return (
+        f"ran {seconds:.2f} s last time (it may start ahead of a test that waits for "
+        "devices, if it ends before that test could start)"
+    )
 
 
 def _devices(plan: _packing.Plan) -> str:

@@ -125,12 +125,12 @@ class Units(Loop):
                     settle=settle,
                     defer=self._may_defer(),
                     boots=_boots.load(self.config) if self.config is not None else (),
-                    backfill=self._backfill(),
+                    backfill=self.backfill(),
                 )
             )
         return self._core
 
-    def _backfill(self) -> int:
+    def backfill(self) -> int:
         """How many tests may wait in the queue past a head that waits for devices, so
         that later ones can be backfilled: not under xdist (its controller hands each
         worker its tests), and only with earlier runs' durations to go by."""

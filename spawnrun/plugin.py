@@ -426,7 +426,17 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
         f"at most {scheduler.allocator.per_gpu} per GPU; packing {settings.pack}; "
         f"children {'forked from templates (fast mode)' if fast else 'spawned'}",
     ]
-    text = _explain.lines(session.items, settings, dict(_boots.load(config)), header)
+    backfill = scheduler.backfill()
+    header.append(
+        f"spawnrun: backfilling {'on' if backfill else 'off'} "
+        + (
+            "(by the durations earlier runs recorded)"
+            if backfill
+            else "(no duration recorded yet, one job at a time, or under xdist)"
+        )
+    )
+    durations = scheduler.durations if backfill else None
+    text = _explain.lines(session.items, settings, dict(_boots.load(config)), header, durations)
     if reporter is not None:
         reporter.write_sep("-", "spawnrun: where each test would run (nothing ran)")
         for line in text:

@@ -44,6 +44,8 @@ def test_explain_says_where_each_test_would_run_and_runs_nothing(pytester, monke
             "spawnrun: 2 GPU(s) [[]0, 1[]]*",
             "spawnrun: up to * test(s) at once, at most * per GPU; packing declared; "
             "children spawned",
+            "spawnrun: backfilling off (no duration recorded yet, one job at a time, or "
+            "under xdist)",
             "test_suite.py::test_budget: spawned; 1 GPU; budget 2.0 GiB (memory='2GiB'); "
             "timeout none; its child holds its devices from its start (its file's boot is "
             "not known yet)",
@@ -58,7 +60,9 @@ def test_explain_says_where_each_test_would_run_and_runs_nothing(pytester, monke
     again = pytester.runpytest_subprocess(*ARGS, "--spawn-explain")
     again.stdout.fnmatch_lines(
         [
+            "spawnrun: backfilling on (by the durations earlier runs recorded)",
             "test_suite.py::test_budget: *its child may boot unclaimed "
-            "(its file's boot touches no device)"
+            "(its file's boot touches no device); ran *.** s last time (it may start ahead "
+            "of a test that waits for devices, if it ends before that test could start)",
         ]
     )
