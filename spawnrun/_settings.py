@@ -387,7 +387,8 @@ SETTINGS: tuple[Setting, ...] = (
         marker_kwarg=None,
         default=None,
         parse=parse_jobs,
-        help="Most spawned tests at once (auto: one per GPU, at least 1; 1 under xdist)",
+        help="Most spawned tests at once (auto: every GPU filled to its cap, at most one per "
+        "core, at least one per GPU; 1 under xdist)",
         metavar="N",
     ),
     Setting(
@@ -491,7 +492,7 @@ SETTINGS: tuple[Setting, ...] = (
         default=(),
         parse=parse_poison,
         help="Regular expressions, one per line, for failures after which a scope's child "
-        "is replaced (besides the built-in sticky CUDA, cuBLAS and NCCL errors)",
+        "is replaced (besides the built-in sticky CUDA, cuBLAS, cuDNN and NCCL errors)",
     ),
     Setting(
         name="scope_memory",
