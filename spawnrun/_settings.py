@@ -257,6 +257,10 @@ class Setting:
     help: str
     #: How the value reads in help texts and the marker doc line.
     metavar: str = ""
+    #: The reference table's first column: what the setting is, in a few words.
+    title: str = ""
+    #: The reference table's default, where the value itself does not say it (auto, None).
+    default_doc: str = ""
 
     @property
     def dest(self) -> str:
@@ -276,6 +280,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="Marker that sends a test to a spawn child (change it when the project has "
         "a gpu marker of its own)",
         metavar="NAME",
+        title="the spawn marker's name",
     ),
     Setting(
         name="spawn_gpu",
@@ -286,6 +291,7 @@ SETTINGS: tuple[Setting, ...] = (
         default=False,
         parse=parse_bool,
         help="Run every collected test in a fresh spawn child, marked or not",
+        title="spawn every test",
     ),
     Setting(
         name="no_spawn",
@@ -296,6 +302,7 @@ SETTINGS: tuple[Setting, ...] = (
         default=False,
         parse=parse_bool,
         help="Run every test in-process, spawning nothing (for pdb and breakpoints)",
+        title="spawn nothing",
     ),
     Setting(
         name="explain",
@@ -308,6 +315,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="Say, for each selected test, where and how it would run (spawned or not, "
         "devices, budget and its source, why alone, scope or template, whether its child "
         "boots unclaimed), and run nothing",
+        title="say where each test would run, run nothing",
     ),
     Setting(
         name="count",
@@ -319,6 +327,7 @@ SETTINGS: tuple[Setting, ...] = (
         parse=parse_count,
         help="Number of GPUs the test needs (0: isolate without a device)",
         metavar="N",
+        title="GPUs the test needs",
     ),
     Setting(
         name="memory",
@@ -331,6 +340,8 @@ SETTINGS: tuple[Setting, ...] = (
         help="GPU memory the test needs on each of its devices (e.g. 6GiB): tests with "
         "budgets share a device within its memory",
         metavar="SIZE",
+        title="GPU memory the test needs on each of its devices (its budget)",
+        default_doc="none: alone on its devices",
     ),
     Setting(
         name="exclusive",
@@ -341,6 +352,8 @@ SETTINGS: tuple[Setting, ...] = (
         default=False,
         parse=parse_bool_strict,
         help="Run alone on its devices, whatever budgets allow",
+        title="run alone on its devices, whatever budgets allow",
+        default_doc="False",
     ),
     Setting(
         name="timeout",
@@ -353,6 +366,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="Seconds a spawned test may run before its stacks are dumped and it is "
         "killed (0 or none: no limit)",
         metavar="SECONDS",
+        title="timeout (s; 0/none/inf: no limit)",
     ),
     Setting(
         name="gpus",
@@ -365,6 +379,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="GPUs to hand out: auto (CUDA_VISIBLE_DEVICES, NVML, nvidia-smi), none, "
         "a count, or ids such as 0,1,3 (device 0 alone: 0,)",
         metavar="GPUS",
+        title="GPUs to hand out",
     ),
     Setting(
         name="gpu_vendor",
@@ -378,6 +393,8 @@ SETTINGS: tuple[Setting, ...] = (
         "visibility variable, else the first vendor whose NVML or tool is found), nvidia, "
         "amd, intel or ascend",
         metavar="VENDOR",
+        title="whose accelerators, and which variable pins them "
+        "(see [Vendors](gpu-scheduling.md#vendors))",
     ),
     Setting(
         name="jobs",
@@ -387,8 +404,12 @@ SETTINGS: tuple[Setting, ...] = (
         marker_kwarg=None,
         default=None,
         parse=parse_jobs,
-        help="Most spawned tests at once (auto: one per GPU, at least 1; 1 under xdist)",
+        help="Most spawned tests at once (auto: every GPU filled to its cap, at most one per "
+        "core, at least one per GPU; 1 under xdist)",
         metavar="N",
+        title="children at once",
+        default_doc="every GPU filled to its cap, at most one per core, at least one per GPU "
+        "(1 under xdist)",
     ),
     Setting(
         name="method",
@@ -401,6 +422,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="How children start: spawn (a fresh interpreter each) or forkserver (forked "
         "from a template that imported spawn_preload, guarded against CUDA)",
         metavar="METHOD",
+        title="start method",
     ),
     Setting(
         name="preload",
@@ -412,6 +434,8 @@ SETTINGS: tuple[Setting, ...] = (
         parse=parse_modules,
         help="Modules the forkserver template imports first, e.g. torch transformers",
         metavar="MODULES",
+        title="modules the zygote must preload",
+        default_doc="none (libraries are preloaded automatically)",
     ),
     Setting(
         name="lookahead",
@@ -424,6 +448,8 @@ SETTINGS: tuple[Setting, ...] = (
         help="Children booted ahead for the next spawned tests (auto: from CPUs and "
         "memory; 0: none)",
         metavar="N",
+        title="children booted ahead",
+        default_doc="CPUs/2, 1 to 8, one per 2 GiB free",
     ),
     Setting(
         name="pack",
@@ -436,6 +462,8 @@ SETTINGS: tuple[Setting, ...] = (
         help="Which tests share a device: off (one per device), declared (those with a "
         "memory budget) or auto (also those whose peak an earlier run measured)",
         metavar="MODE",
+        title="which tests share a device",
+        default_doc="declared (those with a budget)",
     ),
     Setting(
         name="per_gpu",
@@ -447,6 +475,8 @@ SETTINGS: tuple[Setting, ...] = (
         parse=parse_per_gpu,
         help="Most tests at once on one device (auto: cores per GPU, 2 to 8)",
         metavar="N",
+        title="tests at once on one GPU",
+        default_doc="cores per GPU, 2 to 8",
     ),
     Setting(
         name="gpu_memory",
@@ -459,6 +489,8 @@ SETTINGS: tuple[Setting, ...] = (
         help="Memory of each device where NVML cannot tell, and at most what NVML says "
         "(e.g. 80GiB; auto: NVML's)",
         metavar="SIZE",
+        title="memory of each GPU",
+        default_doc="NVML's (at most this when both)",
     ),
     Setting(
         name="scope",
@@ -471,6 +503,8 @@ SETTINGS: tuple[Setting, ...] = (
         help="Tests one child runs: test (a fresh child each), class or module (one child "
         "per class or module, its fixtures shared as in-process)",
         metavar="SCOPE",
+        title="tests one child runs, in order, sharing their fixtures",
+        default_doc="test (a fresh child each)",
     ),
     Setting(
         name="group",
@@ -481,6 +515,7 @@ SETTINGS: tuple[Setting, ...] = (
         default=None,
         parse=parse_group,
         help="Tests with the same group run in one child, wherever they are collected",
+        title="tests that share one child wherever they are collected",
     ),
     Setting(
         name="poison",
@@ -491,7 +526,10 @@ SETTINGS: tuple[Setting, ...] = (
         default=(),
         parse=parse_poison,
         help="Regular expressions, one per line, for failures after which a scope's child "
-        "is replaced (besides the built-in sticky CUDA, cuBLAS and NCCL errors)",
+        "is replaced (besides the built-in sticky CUDA, cuBLAS, cuDNN and NCCL errors)",
+        title="failures after which a scope's child is replaced "
+        "(regular expressions, one per line)",
+        default_doc="the built-in sticky CUDA, cuBLAS, cuDNN and NCCL errors",
     ),
     Setting(
         name="scope_memory",
@@ -505,6 +543,8 @@ SETTINGS: tuple[Setting, ...] = (
         "(torch's allocated memory, or NVML's figure for its processes) is replaced "
         "(none: never)",
         metavar="SIZE",
+        title="a scope's child holding more device memory than this after a test is replaced",
+        default_doc="none (never)",
     ),
     Setting(
         name="pycache",
@@ -518,6 +558,7 @@ SETTINGS: tuple[Setting, ...] = (
         "children keep what they compile while booting in pytest's cache, so the next one "
         "loads it instead of compiling torch again; off: compile in every child",
         metavar="MODE",
+        title="children keep compiled bytecode where writing it is off (`PYTHONDONTWRITEBYTECODE`)",
     ),
     Setting(
         name="template",
@@ -532,6 +573,7 @@ SETTINGS: tuple[Setting, ...] = (
         "share of the run's files: a fork has imported them all, as in-process) or library "
         "(a process that imported only libraries: each child collects its file)",
         metavar="FROM",
+        title="what fast mode forks a test from",
     ),
     Setting(
         name="settle",
@@ -544,6 +586,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="Seconds to wait at most, after a GPU test's child exits, for NVML to "
         "report its device memory freed (0: do not wait)",
         metavar="SECONDS",
+        title="wait for freed device memory (s)",
     ),
 )
 
@@ -561,6 +604,47 @@ def forked_doc(marker: str) -> str:
         f"{FORKED}: run the test in a fresh spawn child process without a device, "
         f"as {marker}(count=0) (spawnrun, standing in for pytest-forked)"
     )
+
+
+def _default_text(s: Setting) -> str:
+    if s.default_doc:
+        return s.default_doc
+    if isinstance(s.default, bool):
+        return str(s.default).lower()
+    if s.default is None or s.default == ():
+        return "none"
+    if isinstance(s.default, float) and s.default.is_integer():
+        return str(int(s.default))
+    return str(s.default)
+
+
+def reference_table() -> str:
+    """The configuration reference as a Markdown table, one row per setting.
+
+    docs/configuration.md holds this between its settings-table markers
+    (``python docs/gen_reference.py`` rewrites it; a test checks that they agree),
+    as ``--help`` holds the same help texts.
+    """
+
+    def cell(text: str | None, code: str = "{}") -> str:
+        return code.format(text).replace("|", "\\|") if text else ""
+
+    rows = [
+        "| setting | marker kwarg | CLI | ini | env | default | what it does |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for s in SETTINGS:
+        cells = (
+            cell(s.title),
+            cell(s.marker_kwarg, "`{}=`"),
+            cell(s.cli, "`{}`"),
+            cell(s.ini, "`{}`"),
+            cell(s.env, "`{}`"),
+            cell(_default_text(s)),
+            cell(s.help),
+        )
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
 
 
 def add_options(parser: pytest.Parser) -> None:

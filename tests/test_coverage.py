@@ -57,7 +57,8 @@ def _coverage(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 @METHODS
 def test_coverage_run_with_parallel_measures_children(pytester, method):
-    # The README's configuration for `coverage run -m pytest`: parallel mode, nothing else.
+    # docs/compatibility.md's configuration for `coverage run -m pytest`: parallel mode,
+    # nothing else.
     pytest.importorskip("coverage")
     _suite(pytester)
     (pytester.path / ".coveragerc").write_text("[run]\nparallel = true\n")

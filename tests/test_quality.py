@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize(
     "tool, args",
     [
-        ("ruff", ["check", "spawnrun", "tests", "examples", "benchmarks"]),
-        ("ruff", ["format", "--check", "spawnrun", "tests", "examples", "benchmarks"]),
+        ("ruff", ["check", "spawnrun", "tests", "examples", "benchmarks", "docs"]),
+        ("ruff", ["format", "--check", "spawnrun", "tests", "examples", "benchmarks", "docs"]),
         ("mypy", []),
     ],
     ids=["ruff-check", "ruff-format", "mypy-strict"],

@@ -62,13 +62,13 @@ def test_timeout_precedence(ini, env, cli, expected):
 
 
 def test_an_empty_environment_value_counts_as_unset_as_documented():
-    """README, Configuration: an empty value leaves the setting where the lower places
-    put it (an empty CI matrix entry), never an empty setting."""
+    """docs/configuration.md, Precedence: an empty value leaves the setting where the
+    lower places put it (an empty CI matrix entry), never an empty setting."""
     assert resolve({"spawn_timeout": "10"}, {}, {"SPAWNRUN_TIMEOUT": ""}).timeout == 10.0
     assert resolve(env={"SPAWNRUN_GPUS": ""}).gpus == resolve().gpus
     assert (
         "An environment\nvariable or ini option set to an empty value counts as unset"
-        in (Path(__file__).parent.parent / "README.md").read_text()
+        in (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     )
 
 
@@ -199,9 +199,9 @@ def test_help_texts_come_from_one_table(pytester):
             assert f"{s.marker_kwarg}: {help_text}" in markers
     assert _settings.marker_doc("gpu").split(":")[0] in markers
     assert _settings.forked_doc("gpu").split(":")[0] in markers
-    # The row for the marker's name reaches the README's configuration table too.
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    rows = [line for line in readme.splitlines() if line.startswith("| ")]
+    # Each setting's row reaches the documentation's configuration table too.
+    page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| ")]
     for s in _settings.SETTINGS:
         names = [f"`{n}`" for n in (s.cli, s.ini, s.env) if n]
         names += [f"`{s.marker_kwarg}=`"] if s.marker_kwarg else []
