@@ -25,6 +25,10 @@ Policy, in full:
   lets the head fit, they are dismissed. Booting ahead happens while no test is blocked,
   or while every slot is taken (a slot frees by itself): then the tests waiting for a
   slot boot first.
+* **Backfilling** (``Settings.backfill``): while the head waits for devices that running
+  tests hold, later tests that fit now and, by what earlier runs recorded
+  (``Test.duration``), end before the head could start (``shadow``) run meanwhile; pytest
+  goes on past such a head so that they reach the queue. Unrecorded: nothing changes.
 * **A scope's child runs its members in order.** A test that is not its child's next
   member gets a child of its own (the old one is dismissed once idle).
 * **Nothing waits without a wake-up.** After each batch of events, if the head waits and
