@@ -65,6 +65,9 @@ class Loop(Summary):
         self.poison: list[re.Pattern[str]] = []
         #: A scope's child holding more device memory than this after a test is replaced.
         self.replace_above: int | None = None
+        #: Budgets are learned (``--spawn-pack auto``): a failure beside a test on a
+        #: learned budget may be the guess's, and runs again alone (``Done.again``).
+        self.guessing = False
         #: Templates that may not fork their file's tests (scope -> why).
         self.refusals: dict[str, str] = {}
         #: Children started while the parent collected, for the first tests of their

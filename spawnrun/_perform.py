@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 
 from spawnrun import _early
+from spawnrun import _packing
 from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _starting
@@ -89,12 +90,36 @@ class Performer(Units):
                 self._replay_test(action.test)
             elif isinstance(action, ev.Report):
                 self._report(action)
+            elif isinstance(action, ev.Again):
+                self._again_alone(action.test)
             elif isinstance(action, ev.Drop):
                 self._drop_test(action.test)
             elif isinstance(action, ev.Warn):
                 self._warn(action.test, action.text)
             elif isinstance(action, ev.Interrupt):
                 self._interrupt()
+
+    def _again_alone(self, nodeid: str) -> None:
+        """The test runs again, alone: a fresh job, whose reports are the ones replayed.
+
+        The first run's job still ends its child (its reports are never replayed, and it
+        is not counted as a test); its turn (what the parent's environment and teardown
+        were when pytest reached the test) carries over."""
+        old = self.by_id.pop(nodeid, None)
+        item, plan = self.items[nodeid]
+        guess = plan.budget_source if plan.learned else "a neighbour's learned budget"
+        why = f"ran again alone: it failed on a guessed budget ({guess})"
+        self.items[nodeid] = (
+            item,
+            replace(plan, need=_packing.ALONE, alone_because=why, budget_source="", learned=False),
+        )
+        self.again.append(nodeid)
+        new = self._job_of(nodeid)
+        if old is not None:
+            old.turned = False
+            new.turned, new.parent_error = True, old.parent_error
+            new.env_set, new.env_unset = dict(old.env_set), list(old.env_unset)
+            new.timeout = old.timeout
 
     def _job_of(self, nodeid: str) -> Job:
         job = self.by_id.get(nodeid)

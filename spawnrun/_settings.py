@@ -457,13 +457,14 @@ SETTINGS: tuple[Setting, ...] = (
         ini="spawn_pack",
         env="SPAWNRUN_PACK",
         marker_kwarg=None,
-        default="declared",
+        default="auto",
         parse=parse_pack,
         help="Which tests share a device: off (one per device), declared (those with a "
-        "memory budget) or auto (also those whose peak an earlier run measured)",
+        "memory budget) or auto (also those whose peak an earlier run measured; a test "
+        "that fails on such a guess runs again alone)",
         metavar="MODE",
         title="which tests share a device",
-        default_doc="declared (those with a budget)",
+        default_doc="auto (declared budgets, and peaks earlier runs measured)",
     ),
     Setting(
         name="per_gpu",
@@ -681,7 +682,7 @@ class Settings:
     settle: float | None
     memory: int | None = None
     exclusive: bool = False
-    pack: str = "declared"
+    pack: str = "auto"
     per_gpu: int | None = None
     gpu_memory: int | None = None
     gpu_vendor: str = "auto"

@@ -36,6 +36,8 @@ class Summary:
         self.alone: dict[str, list[str]] = {}
         #: Scope children replaced after a test said the process is broken.
         self.replaced = 0
+        #: Tests that failed on a guessed budget and ran again alone (``Done.again``).
+        self.again: list[str] = []
         #: The pids of templates that forked, and how many tests ran in their forks.
         self.templates: set[int] = set()
         self.forks = 0
@@ -126,6 +128,13 @@ class Summary:
             where = _template_files(self._scope_tests(scope))
             lines.append(f"{where}: {NOT_A_TEMPLATE}: {why}")
         lines += self._packing_lines(list_alone)
+        if self.again:
+            shown = ", ".join(self.again[:10]) + (" ..." if len(self.again) > 10 else "")
+            lines.append(
+                f"{_plural(len(self.again), 'test')} failed on a learned budget, or beside "
+                "one, and ran again alone (the second run's outcome counts; its peak is "
+                f"recorded): {shown}"
+            )
         if self.peaks:
             lines.append("peak GPU memory per test (torch's caching allocator, reserved):")
             ranked = sorted(self.peaks, key=lambda p: (-p[0], p[1]))

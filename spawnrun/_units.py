@@ -204,7 +204,9 @@ class Units(Loop):
                     more = job.ending.stage is Stage.HANDOVER
                     interrupt = job.interrupted is not None
                     poisoned = bool(job.replaced)
-                    out.append(ev.Done(now, cid, job.item.nodeid, interrupt, poisoned, more))
+                    again = self._again(job)
+                    nodeid = job.item.nodeid
+                    out.append(ev.Done(now, cid, nodeid, interrupt, poisoned, more, again))
                 else:
                     unit.exited = True
                     out.append(ev.Exited(now, cid, -1))
@@ -229,6 +231,19 @@ class Units(Loop):
             out.append(ev.Released(now, cid))
             self.units.pop(cid, None)
         return out
+
+    def _again(self, job: Job) -> bool:
+        """Whether the test failed where a guess of the run's may be to blame: it ran on
+        a learned budget (torch capped it there), or beside another test while budgets
+        are learned (a neighbour's guess may have been too small). It then runs again,
+        alone, once: a test that passes in-process never fails on a guess. Not a
+        scope's test (its child runs others), nor one that stopped the session."""
+        if job.plan.scope or job.interrupted is not None or job.replaced:
+            return False
+        if not any(r.failed for r in job.replay.reports):
+            return False
+        guessed = job.plan.learned and job.plan.need is not _packing.ALONE
+        return guessed or (self.guessing and job.shared)
 
     def _start_error(self, job: Job) -> str:
         for report in job.replay.reports:

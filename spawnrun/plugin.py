@@ -170,6 +170,7 @@ def pytest_configure(config: pytest.Config) -> None:
     scheduler.status = _status.Status(config, several=limit > 1)
     scheduler.poison = _poison.patterns(settings.poison)
     scheduler.replace_above = settings.scope_memory
+    scheduler.guessing = settings.pack == "auto"
     config.pluginmanager.register(_Spawns(), "spawnrun-spawns")
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
@@ -553,7 +554,8 @@ WORKER_SUMMARIES_KEY = pytest.StashKey[dict[str, list[str]]]()
 def _summary_lines(config: pytest.Config) -> list[str]:
     scheduler = config.stash.get(SCHEDULER_KEY, None)
     settings = config.stash.get(SETTINGS_KEY, None)
-    auto = settings is not None and settings.pack == "auto"
+    # Which tests ran alone, listed where budgets were learned: once records exist.
+    auto = settings is not None and settings.pack == "auto" and bool(_learned.peaks(config))
     lines = scheduler.summary(list_alone=auto) if scheduler is not None else []
     if scheduler is not None and _xdist_worker():
         lines += scheduler.split_groups()

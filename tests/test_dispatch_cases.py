@@ -512,3 +512,18 @@ def test_a_template_started_after_a_stop_is_dismissed_once_its_forks_ran() -> No
         "t0": ["replay"],
         "unfit": ["report:UNFIT"],
     }
+
+
+def test_a_test_that_failed_on_a_guess_runs_again_alone_once() -> None:
+    """A learned budget is a guess: a test that failed with one (or beside one) runs
+    again at once, alone, and only that run's reports count; never a third time."""
+    specs = [
+        Spec(ev.Test("guessed", need=2 * GiB), duration=1.0, fate="guess"),
+        Spec(ev.Test("neighbour", need=2 * GiB), duration=3.0),
+    ]
+    world = World(_settings(), specs)
+    result = world.run()
+    assert result.ends == {"guessed": ["replay"], "neighbour": ["replay"]}
+    assert world.agains == ["guessed"] and world.needs["guessed"] is None
+    # Alone: it waited for its neighbour to leave the device.
+    assert world.went["guessed"] >= 3.0

@@ -212,6 +212,10 @@ def test_each_fate_gets_its_report(world: World) -> None:
             assert tid in warned, (tid, result.warnings)
         if spec.fate in ("linger", "unkillable") and how == "replay" and not spec.test.scope:
             assert tid in warned, (tid, result.warnings)
+        if spec.fate == "guess" and how == "replay" and not spec.test.scope:
+            # A failure a guess may have caused: it ran again, alone, once.
+            assert world.needs[tid] is None, (tid, world.needs)
+            assert world.agains.count(tid) <= 1, world.agains
 
 
 @pytest.mark.parametrize("jobs", [1, 4])

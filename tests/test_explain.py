@@ -42,8 +42,7 @@ def test_explain_says_where_each_test_would_run_and_runs_nothing(pytester, monke
         [
             "*spawnrun: where each test would run (nothing ran)*",
             "spawnrun: 2 GPU(s) [[]0, 1[]]*",
-            "spawnrun: up to * test(s) at once, at most * per GPU; packing declared; "
-            "children spawned",
+            "spawnrun: up to * test(s) at once, at most * per GPU; packing auto; children spawned",
             "spawnrun: backfilling off (no duration recorded yet, one job at a time, or "
             "under xdist)",
             "test_suite.py::test_budget: spawned; 1 GPU; budget 2.0 GiB (memory='2GiB'); "

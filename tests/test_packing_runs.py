@@ -456,3 +456,50 @@ def test_short_tests_are_backfilled_while_an_exclusive_test_waits_on_a_later_run
     durations = pytester.path / ".pytest_cache" / "v" / "spawnrun" / "durations"
     recorded = json.loads(durations.read_text())
     assert 7.0 <= recorded["test_drain.py::test_a_long"] < 30, recorded
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(pytester, stamps, method):
+    """A learned budget is a guess: a test whose memory grew past it failed (torch's cap)
+    on the run after the one that learned it, where in-process it passes. It now runs
+    again at once, alone, and that run's outcome and peak count; the summary says so."""
+    for name, text in FAKE_TORCH.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    pytester.makepyfile(
+        test_grows="""
+        import os
+        import pytest
+        from stamping import stamp
+
+        @pytest.mark.gpu
+        def test_grows():
+            import torch
+            torch.cuda.init()
+            if os.environ.get("SPAWNRUN_GPU_BUDGET"):  # as if it now needed more
+                raise torch.OutOfMemoryError("CUDA out of memory (pretend)")
+            stamp("grows", 0.1)
+
+        @pytest.mark.gpu
+        def test_steady():
+            import torch
+            torch.cuda.init()
+            stamp("steady", 0.1)
+        """
+    )
+    args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-pack", "auto"]
+    args += ["--spawn-method", method, "--junitxml=out.xml"]
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)  # learns: alone
+    second = pytester.runpytest_subprocess(*args, "-rA")
+    second.assert_outcomes(passed=2)
+    second.stdout.fnmatch_lines(
+        [
+            "1 test failed on a learned budget, or beside one, and ran again alone (the "
+            "second run's outcome counts; its peak is recorded): test_grows.py::test_grows"
+        ]
+    )
+    second.stdout.no_fnmatch_line("*out of memory (pretend)*")
+    assert read_stamps(stamps)["grows"]["budget"] == 0  # the run that counted: alone
+    xml = (pytester.path / "out.xml").read_text()
+    assert xml.count('classname="test_grows" name="test_grows"') == 1, xml

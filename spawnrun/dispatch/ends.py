@@ -12,10 +12,13 @@ follows them.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from spawnrun.dispatch import events as ev
 from spawnrun.dispatch import live
 from spawnrun.dispatch.events import Kind
 from spawnrun.dispatch.events import Outcome
+from spawnrun.dispatch.state import Entry
 from spawnrun.dispatch.state import Phase
 from spawnrun.dispatch.state import Run
 from spawnrun.dispatch.units import IDLE
@@ -58,6 +61,9 @@ class Ends(Run):
         if child.state is not State.RUNNING or child.test != event.test:
             return  # it was stopped or timed out meanwhile: that report stands
         entry = self.tests[event.test]
+        if event.again and not entry.again and not child.scope and not self.stopping:
+            self._again(child, entry)
+            return
         self.end(entry, ev.Replay(event.test))
         if event.interrupt:
             self._interrupted(event.test)
@@ -74,6 +80,17 @@ class Ends(Run):
         child.move(State.EXITING, self.now, self.now + self.settings.exit_grace)
         if more:
             self.emit(ev.Dismiss(child.id))  # it would wait for the scope's next test
+
+    def _again(self, child: Child, entry: Entry) -> None:
+        """Its test runs again, alone, in a child of its own; this one exits."""
+        entry.again = True
+        entry.test = replace(entry.test, need=ev.ALONE)
+        entry.phase, entry.child = Phase.WAITING, 0
+        self.queue.append(entry.test.id)
+        self.queue.sort(key=self.submitted.index)
+        self.emit(ev.Again(entry.test.id))
+        child.last, child.test = entry.test.id, ""
+        child.move(State.EXITING, self.now, self.now + self.settings.exit_grace)
 
     def _exited(self, child: Child, code: int) -> None:
         state = child.state

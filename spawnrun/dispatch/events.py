@@ -145,7 +145,9 @@ class Done(Event):
 
     ``interrupt``: the test called ``pytest.exit`` or was interrupted; ``poisoned``: its
     failure says the process is broken, so a scope's child is replaced; ``more``: the
-    child waits for its scope's next test (False: it exits by itself).
+    child waits for its scope's next test (False: it exits by itself); ``again``: it
+    failed where a guess of the run's may be to blame (a learned budget, its own or a
+    neighbour's): it runs again, alone, once (``Again``), and that run's reports count.
     """
 
     child: int
@@ -153,6 +155,7 @@ class Done(Event):
     interrupt: bool = False
     poisoned: bool = False
     more: bool = True
+    again: bool = False
 
 
 @dataclass(frozen=True)
@@ -296,6 +299,14 @@ class Report(Action):
     test: str
     outcome: Outcome
     detail: str = ""
+
+
+@dataclass(frozen=True)
+class Again(Action):
+    """The test runs again, alone on its devices: its reports so far are not replayed;
+    those of its next child are (its ``Replay`` comes then)."""
+
+    test: str
 
 
 @dataclass(frozen=True)

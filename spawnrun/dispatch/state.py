@@ -42,6 +42,8 @@ class Entry:
     ended_by: str = ""
     #: pytest went on past it while it waited for devices (``Settings.backfill``).
     passed: bool = False
+    #: It runs again, alone, after a failure a guess may have caused (``Done.again``).
+    again: bool = False
 
 
 class Run:

@@ -43,7 +43,9 @@ from spawnrun.dispatch.live import dump
 #: running; "boot-die": dies while booting; "start-fail": cannot be started; "exit-3":
 #: exits with status 3 after "done"; "linger": does not exit after "done" until killed;
 #: "unkillable": not even then; "interrupt": calls pytest.exit; "poison": fails with an
-#: error that says the process is broken.
+#: error that says the process is broken; "guess": fails where it runs with a budget
+#: (a learned one that was too small), so the driver asks for it again (``Done.again``),
+#: and passes alone.
 FATES = (
     "pass",
     "fail",
@@ -55,6 +57,7 @@ FATES = (
     "unkillable",
     "interrupt",
     "poison",
+    "guess",
 )
 FAILING = {"fail", "crash", "boot-die", "start-fail", "poison"}
 
@@ -157,8 +160,10 @@ class World:
         self.stop_due: tuple[str, str] | None = None
         self.steps = 0
         self.log: list[ev.Action] = []
-        #: When each test got its go.
+        #: When each test got its go, and the budget it last ran with.
         self.went: dict[str, float] = {}
+        self.needs: dict[str, int | None] = {}
+        self.agains: list[str] = []
         capacity = dict(settings.capacity)
         self.capacity = {dv: capacity.get(dv) for dv in settings.devices}
 
@@ -403,8 +408,15 @@ class World:
         if fate == "crash":
             self._exit(proc, start + spec.duration / 2, -11)
             return
+        self.needs[a.test] = self.d.children[a.child].need if a.devices else ev.ALONE
+        again = fate == "guess" and self.needs[a.test] is not ev.ALONE
         done = ev.Done(
-            end, a.child, a.test, interrupt=fate == "interrupt", poisoned=fate == "poison"
+            end,
+            a.child,
+            a.test,
+            interrupt=fate == "interrupt",
+            poisoned=fate == "poison",
+            again=again,
         )
         self._at(end, done)
         members = proc.members
@@ -468,6 +480,9 @@ class World:
             self.stuck.append(a.test)
         if a.outcome is not Outcome.STOPPED:
             self._failed(a.test)
+
+    def _again(self, a: ev.Again) -> None:
+        self.agains.append(a.test)
 
     def _drop(self, a: ev.Drop) -> None:
         self._ended(a.test, "drop")
