@@ -135,6 +135,8 @@ class Job:
         self.claimed: list[str] = []
         #: Whether another test held one of its devices while it ran.
         self.shared = False
+        #: It ran beside a test on a learned budget (a guess: ``_units.Units._again``).
+        self.beside_guess = False
         self.replay = _replay.Replay(item)
         self.candidates = _starting.candidate_args(item, self.then)
         self.problems: list[str] = []
@@ -196,6 +198,11 @@ class Job:
         self.peak_device_bytes: int | None = None
 
     # Starting --------------------------------------------------------------------
+
+    @property
+    def guessed(self) -> bool:
+        """It runs on a budget the run learned (a guess, not the user's promise)."""
+        return self.plan.learned and self.plan.need is not _packing.ALONE and bool(self.claimed)
 
     def env(self) -> dict[str, str]:
         return _starting.child_env(self.item.config, self.plan, self.devices, self.capacity)

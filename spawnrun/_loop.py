@@ -163,6 +163,8 @@ class Loop(Summary):
         for other in self.jobs:
             if other is not job and other.state is not State.DONE and mine & set(other.held):
                 other.shared = job.shared = True
+                other.beside_guess |= job.guessed
+                job.beside_guess |= other.guessed
 
     def _gone(self, ending: Ending, job: Job) -> None:
         """A test's child is gone and its devices released: what it did is counted."""

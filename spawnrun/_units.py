@@ -238,12 +238,11 @@ class Units(Loop):
         are learned (a neighbour's guess may have been too small). It then runs again,
         alone, once: a test that passes in-process never fails on a guess. Not a
         scope's test (its child runs others), nor one that stopped the session."""
-        if job.plan.scope or job.interrupted is not None or job.replaced:
+        if not self.guessing or job.plan.scope or job.interrupted is not None or job.replaced:
             return False
         if not any(r.failed for r in job.replay.reports):
             return False
-        guessed = job.plan.learned and job.plan.need is not _packing.ALONE
-        return guessed or (self.guessing and job.shared)
+        return job.guessed or job.beside_guess
 
     def _start_error(self, job: Job) -> str:
         for report in job.replay.reports:

@@ -503,3 +503,44 @@ def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(pytester, stam
     assert read_stamps(stamps)["grows"]["budget"] == 0  # the run that counted: alone
     xml = (pytester.path / "out.xml").read_text()
     assert xml.count('classname="test_grows" name="test_grows"') == 1, xml
+
+
+def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, stamps):
+    """The class of the test above, from the other side: a test with a declared budget
+    that fails while a neighbour on a learned budget runs beside it (the neighbour's
+    guess may be what it ran out of) runs again alone; that run counts."""
+    for name, text in FAKE_TORCH.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    pytester.makepyfile(
+        test_side="""
+        import os, time
+        import pytest
+        from stamping import stamp
+
+        @pytest.mark.gpu
+        def test_guessed():
+            import torch
+            torch.cuda.init()
+            open("guessed.running", "w").close()
+            try:
+                stamp("guessed", 3.0)
+            finally:
+                os.unlink("guessed.running")
+
+        @pytest.mark.gpu(memory="1GiB")
+        def test_declared():
+            end = time.time() + 2.0
+            while time.time() < end and not os.path.exists("guessed.running"):
+                time.sleep(0.05)
+            assert not os.path.exists("guessed.running"), "ran out beside a guess"
+            stamp("declared", 0.1)
+        """
+    )
+    args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-jobs", "2"]
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)  # learns: alone
+    second = pytester.runpytest_subprocess(*args)
+    second.assert_outcomes(passed=2)
+    second.stdout.fnmatch_lines(["1 test failed on a learned budget, or beside one, *"])
+    second.stdout.fnmatch_lines(["*ran again alone*: test_side.py::test_declared"])
