@@ -554,8 +554,11 @@ WORKER_SUMMARIES_KEY = pytest.StashKey[dict[str, list[str]]]()
 def _summary_lines(config: pytest.Config) -> list[str]:
     scheduler = config.stash.get(SCHEDULER_KEY, None)
     settings = config.stash.get(SETTINGS_KEY, None)
-    # Which tests ran alone, listed where budgets were learned: once records exist.
-    auto = settings is not None and settings.pack == "auto" and bool(_learned.peaks(config))
+    # Which tests ran alone, listed where budgets are learned: asked for, or (the default)
+    # once an earlier run recorded peaks.
+    auto = settings is not None and settings.pack == "auto"
+    if auto and _settings.source_of(config, "pack") == "the default":
+        auto = bool(_learned.peaks(config))
     lines = scheduler.summary(list_alone=auto) if scheduler is not None else []
     if scheduler is not None and _xdist_worker():
         lines += scheduler.split_groups()
