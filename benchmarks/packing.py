@@ -106,11 +106,13 @@ def _packing_stamp(request):
         "budget": os.environ.get("SPAWNRUN_GPU_BUDGET"),
         "start": time.time(),
     }
-    if CUDA:
+    # A count=0 test sees no device (CUDA_VISIBLE_DEVICES empty): nothing to ask.
+    cuda = CUDA and os.environ.get("CUDA_VISIBLE_DEVICES") != ""
+    if cuda:
         rec["free"], rec["total"] = torch.cuda.mem_get_info()
         rec["uuid"] = str(torch.cuda.get_device_properties(0).uuid)
     yield
-    if CUDA:
+    if cuda:
         torch.cuda.synchronize()
         rec["peak_reserved"] = torch.cuda.max_memory_reserved()
     rec["end"] = time.time()
