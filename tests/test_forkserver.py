@@ -472,3 +472,36 @@ def test_what_made_a_template_unsafe_is_left_out_from_the_start_next_time(pytest
         counts.append(len(set(importers.read_text().split())))
     # The parent and both children each time; the first run's first template too.
     assert counts == [4, 3]
+
+
+EXIT_LIB = """
+import atexit, os
+
+MARKS = os.environ["EXIT_MARKS"]
+atexit.register(lambda: open(os.path.join(MARKS, f"atexit-{os.getpid()}"), "w").close())
+"""
+
+
+def test_the_template_runs_its_exit_work_as_it_leaves(pytester, monkeypatch):
+    # The parent's session end waits for the template to exit: like a child, it leaves
+    # without the interpreter's teardown of what it imported (~75 ms with torch), but
+    # its exit work still runs (atexit: coverage's save, a library's cleanup).
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    libs.mkdir()
+    (libs / "exitlib.py").write_text(EXIT_LIB)
+    marks = pytester.path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    monkeypatch.setenv("EXIT_MARKS", str(marks))
+    pytester.makepyfile(
+        "import os, pytest\n"
+        "@pytest.mark.gpu\n"
+        "def test_x():\n"
+        "    open('template.pid', 'w').write(str(os.getppid()))\n"
+    )
+    result = _run_fast(pytester, "--spawn-preload", "exitlib", "--spawn-template", "library")
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("*forkserver is off*")
+    template = (pytester.path / "template.pid").read_text()
+    assert (marks / f"atexit-{template}").exists()
+
