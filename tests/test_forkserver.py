@@ -505,3 +505,47 @@ def test_the_template_runs_its_exit_work_as_it_leaves(pytester, monkeypatch):
     template = (pytester.path / "template.pid").read_text()
     assert (marks / f"atexit-{template}").exists()
 
+
+IMPORT_WATCH = """
+import os, sys
+
+LOG = os.environ["IMPORT_LOG"]
+WATCHED = {"_pytest.junitxml", "_pytest.skipping", "_pytest.debugging", "pdb"}
+
+
+def _audit(event, args, _open=open, _pid=os.getpid):
+    # Raised as the import system loads a module (not for one already imported).
+    if event == "import" and args[0] in WATCHED:
+        with _open(LOG, "a") as f:
+            f.write(f"{_pid()} {args[0]}\\n")
+
+
+sys.addaudithook(_audit)
+"""
+
+
+def test_forks_find_pytests_own_plugins_imported(pytester, monkeypatch):
+    # ``import pytest`` leaves most of its built-in plugins to the configuration: the
+    # template imports those the parent's pytest loaded, so no fork's pytest imports
+    # them again as it configures.
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    libs.mkdir()
+    (libs / "importwatch.py").write_text(IMPORT_WATCH)
+    log = pytester.path / "imports.log"
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    monkeypatch.setenv("IMPORT_LOG", str(log))
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.gpu\n@pytest.mark.parametrize('i', [1, 2])\n"
+        "def test_x(i):\n    pass\n"
+    )
+    result = _run_fast(pytester, "--spawn-preload", "importwatch", "--spawn-template", "library")
+    result.assert_outcomes(passed=2)
+    result.stdout.no_fnmatch_line("*forkserver is off*")
+    assert not log.exists(), log.read_text()
+
+
+def test_pytests_own_plugins_for_the_template_are_those_the_parent_loaded(pytester):
+    config = pytester.parseconfigure("-p", "no:junitxml")
+    names = _forkserver.pytest_modules(config)
+    assert {"_pytest.python", "_pytest.skipping", "_pytest.debugging", "pdb"} <= set(names)
+    assert "_pytest.junitxml" not in names
