@@ -55,6 +55,11 @@ reference suite (added when not selected): pytest-forked cannot run it.
                                                 # adds the CUDA-context floor and the
                                                 # spawnrun parent's GPU memory (nvidia-smi)
 
+Every run keeps its temporary directories in a folder of this benchmark's own
+(``PYTEST_DEBUG_TEMPROOT``): a run that makes a base temp (spawnrun's do, plain and
+pytest-forked runs of these suites do not) removes old numbered ones at its exit, and in
+the shared ``/tmp/pytest-of-<user>`` those may be other jobs' (seconds, measured here).
+
 Needs pytest-forked, which is broken on pytest 9.2 (its report cannot be serialized):
 run it where pytest < 9.2 (see README, Performance).
 """
@@ -560,8 +565,11 @@ def main() -> None:
                 f"{floor * 1000:.0f} ms"
             )
         folders = {name: make_suite(root, name, opts.n, opts.per_file) for name in names}
+        temproot = root / "pytest-tmp"
+        temproot.mkdir()
+        env = {**os.environ, "PYTEST_DEBUG_TEMPROOT": str(temproot)}
         # Untimed: the first run of all pays for cold file caches (torch, pytest).
-        run(folders[names[0]], MODES["plain"], opts.run_timeout, None)
+        run(folders[names[0]], MODES["plain"], opts.run_timeout, None, env=env)
         rounds = 0
         for rnd in range(opts.repeat):
             round_start = time.monotonic()
@@ -582,7 +590,7 @@ def main() -> None:
                         slug = f"{name}__{mode.replace(' ', '_')}__{rnd + 1}.txt"
                         log = opts.logs / slug
                     with sampling:
-                        outcome = run(folders[name], args, opts.run_timeout, log)
+                        outcome = run(folders[name], args, opts.run_timeout, log, env=env)
                     results.add(name, mode, outcome)
                     print(f"  {name:22} {mode:26} {outcome.wall:7.2f}s  {outcome.tail}")
             rounds += 1

@@ -230,7 +230,7 @@ class _Relay:
             sink = self.sink = _Sink(
                 os.path.join(os.path.dirname(self.spec.stacks_path), "terminal.log")
             )
-            pm.register(_quiet_reporter()(config, sink), "terminalreporter")
+            pm.register(_quiet_reporter(self)(config, sink), "terminalreporter")
 
     def _xunit2_warning(self, request: Any, fixture: str) -> None:
         family = self.spec.junit_family
@@ -765,11 +765,25 @@ def _line_file(path: str, mode: str) -> IO[str]:
     return open(path, mode, buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
 
 
-def _quiet_reporter() -> Any:
-    """pytest's terminal reporter without its per-test lines: the parent prints those."""
+def _quiet_reporter(relay: _Relay) -> Any:
+    """pytest's terminal reporter without its per-test lines: the parent prints those.
+
+    Nor its session's end once ``relay`` said "done": the summary would go to the
+    child's own terminal file, which nobody reads after the test (an early end's words
+    are read from it only before), and the plugins' ``pytest_terminal_summary`` hooks it
+    calls cost a child its exit time for nothing (hypothesis's imports the whole of
+    hypothesis, assert-rewritten: ~0.5 s of CPU per child). The session's own end
+    (``pytest_sessionfinish``, ``pytest_unconfigure``) still runs.
+    """
     base = _terminal_reporter()
 
     class QuietReporter(base):  # type: ignore[misc, valid-type]
+        @pytest.hookimpl(wrapper=True)
+        def pytest_sessionfinish(self, session: Any, exitstatus: Any) -> Any:
+            if relay.done:
+                return (yield)
+            return (yield from super().pytest_sessionfinish(session, exitstatus))
+
         def pytest_runtest_logstart(self, nodeid: str, location: Any) -> None:
             pass
 

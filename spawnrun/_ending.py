@@ -129,6 +129,10 @@ class Ending:
             # The exit itself is an event (the sentinel); the deadline is only for a
             # child that does not leave, and for watching its devices be released.
             self.deadline = now + (POLL if self._watching_release() else EXIT_GRACE)
+        elif self.stage is Stage.REAPING:
+            # Look at once: a child that left nothing behind is gone now, not a poll
+            # later (its devices, and the session's end, waited for that poll).
+            self.deadline = now
         else:
             self.deadline = now + POLL
 

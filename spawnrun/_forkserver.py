@@ -272,7 +272,7 @@ class ZygoteHolder:
         self.rootdir = Path(config.rootpath).resolve()
         self.config = config
         # spawnrun's own plugin too: each fork's pytest loads it (30 ms to import).
-        self.base = _dedupe(["pytest", "spawnrun.plugin", *self.preload])
+        self.base = _dedupe(["pytest", *pytest_modules(config), "spawnrun.plugin", *self.preload])
         self._remembered(config)
         self.rewrite = rewrite_of(config)
         # Plugins' modules, then what earlier runs' tests imported (learned preloads).
@@ -460,6 +460,28 @@ def _remembered_exclusions(config: Any) -> dict[str, Any]:
     cache = getattr(config, "cache", None)
     found = cache.get(EXCLUDED_KEY, {}) if cache is not None else {}
     return dict(found) if isinstance(found, dict) else {}
+
+
+#: Imported by every child's pytest at configure time (its debugging plugin) and by the
+#: child's guard against debuggers.
+CONFIGURE_IMPORTS = ["pdb"]
+
+
+def pytest_modules(config: Any) -> list[str]:
+    """pytest's own plugin modules that the parent's pytest loaded, and what they import
+    when a child configures.
+
+    ``import pytest`` leaves most of its built-in plugins (junitxml, debugging, skipping,
+    unittest...) to the configuration, which imported them in each fork again (~7 ms of
+    CPU per fork). A plugin the parent's pytest blocked (``-p no:junitxml``) is not
+    loaded by the child's either, and is left out.
+    """
+    names = [
+        plugin.__name__
+        for _, plugin in config.pluginmanager.list_name_plugin()
+        if isinstance(plugin, types.ModuleType) and plugin.__name__.startswith("_pytest.")
+    ]
+    return [*names, *CONFIGURE_IMPORTS]
 
 
 def plugin_modules(config: Any, rootdir: Path) -> list[str]:

@@ -799,6 +799,52 @@ def test_warning_class_is_never_imported_in_the_parent(pytester):
     assert (pytester.path / "imported.txt").read_text() == "False"
 
 
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_child_skips_its_terminal_summary_after_its_test(pytester, method):
+    # Nobody reads a child's summary once its test is reported, and a plugin's summary
+    # hook may be costly (hypothesis's imports hypothesis): the child skips it. Its
+    # session's end still runs, as in-process.
+    pytester.makeconftest(
+        """
+        import os, spawnrun
+
+        def _mark(what):
+            who = "child" if spawnrun.is_child() else "parent"
+            open(f"{what}-{who}-{os.getpid()}", "w").close()
+
+        def pytest_terminal_summary(terminalreporter):
+            _mark("summary")
+
+        def pytest_sessionfinish(session):
+            _mark("sessionfinish")
+
+        def pytest_unconfigure(config):
+            _mark("unconfigure")
+        """
+    )
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n"
+        "@pytest.mark.gpu\ndef test_y():\n    assert False\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-method", method)
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*short test summary info*", "FAILED *::test_y*"])
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    kinds = ("summary-", "sessionfinish-", "unconfigure-")
+    marks = sorted(
+        p.name.rsplit("-", 1)[0] for p in pytester.path.iterdir() if p.name.startswith(kinds)
+    )
+    assert marks == [
+        "sessionfinish-child",
+        "sessionfinish-child",
+        "sessionfinish-parent",
+        "summary-parent",
+        "unconfigure-child",
+        "unconfigure-child",
+        "unconfigure-parent",
+    ]
+
+
 def test_error_in_a_childs_collection_hook_shows_its_traceback(pytester):
     # An exception in a hook at collection time ends the child's pytest with an
     # INTERNALERROR before the test is looked for: the report must carry it.

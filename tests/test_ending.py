@@ -104,6 +104,15 @@ def test_an_exit_is_reaped_then_settled_and_its_last_words_kept(group, monkeypat
     assert any("teardown of the session failed" in w for w in e.warnings())
 
 
+def test_an_exit_that_left_nothing_behind_is_gone_at_once(group):
+    # Its devices, and the session's end, wait for it to be gone: not a poll later.
+    e = ending(StandIn(), Stage.EXITING)
+    e.on_exit()
+    assert e.deadline == e.since
+    e.on_deadline(e.since)
+    assert e.stage is Stage.GONE
+
+
 @pytest.mark.parametrize("after_done, aborted", [(True, False), (False, False), (True, True)])
 def test_an_exit_status_of_its_own_after_done_is_a_warning(group, after_done, aborted):
     """An atexit handler's os._exit(3) after "done" is told; a timeout's or a stop's kill

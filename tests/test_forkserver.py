@@ -514,3 +514,80 @@ def test_libraries_tests_imported_are_preloaded_on_the_next_run(pytester, monkey
     assert seen[1] == [[False, True], [False, True]]  # heavylib came with the template
     preloads = json.loads((pytester.path / ".pytest_cache/v/spawnrun/preloads").read_text())
     assert preloads == ["heavylib", "threadlib"]
+
+
+EXIT_LIB = """
+import atexit, os
+
+MARKS = os.environ["EXIT_MARKS"]
+atexit.register(lambda: open(os.path.join(MARKS, f"atexit-{os.getpid()}"), "w").close())
+"""
+
+
+def test_the_template_runs_its_exit_work_as_it_leaves(pytester, monkeypatch):
+    # The parent's session end waits for the template to exit: like a child, it leaves
+    # without the interpreter's teardown of what it imported (~75 ms with torch), but
+    # its exit work still runs (atexit: coverage's save, a library's cleanup).
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    libs.mkdir()
+    (libs / "exitlib.py").write_text(EXIT_LIB)
+    marks = pytester.path / "marks"
+    marks.mkdir()
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    monkeypatch.setenv("EXIT_MARKS", str(marks))
+    pytester.makepyfile(
+        "import os, pytest\n"
+        "@pytest.mark.gpu\n"
+        "def test_x():\n"
+        "    open('template.pid', 'w').write(str(os.getppid()))\n"
+    )
+    result = _run_fast(pytester, "--spawn-preload", "exitlib", "--spawn-template", "library")
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("*forkserver is off*")
+    template = (pytester.path / "template.pid").read_text()
+    assert (marks / f"atexit-{template}").exists()
+
+
+IMPORT_WATCH = """
+import os, sys
+
+LOG = os.environ["IMPORT_LOG"]
+WATCHED = {"_pytest.junitxml", "_pytest.skipping", "_pytest.debugging", "pdb"}
+
+
+def _audit(event, args, _open=open, _pid=os.getpid):
+    # Raised as the import system loads a module (not for one already imported).
+    if event == "import" and args[0] in WATCHED:
+        with _open(LOG, "a") as f:
+            f.write(f"{_pid()} {args[0]}\\n")
+
+
+sys.addaudithook(_audit)
+"""
+
+
+def test_forks_find_pytests_own_plugins_imported(pytester, monkeypatch):
+    # ``import pytest`` leaves most of its built-in plugins to the configuration: the
+    # template imports those the parent's pytest loaded, so no fork's pytest imports
+    # them again as it configures.
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    libs.mkdir()
+    (libs / "importwatch.py").write_text(IMPORT_WATCH)
+    log = pytester.path / "imports.log"
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
+    monkeypatch.setenv("IMPORT_LOG", str(log))
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.gpu\n@pytest.mark.parametrize('i', [1, 2])\n"
+        "def test_x(i):\n    pass\n"
+    )
+    result = _run_fast(pytester, "--spawn-preload", "importwatch", "--spawn-template", "library")
+    result.assert_outcomes(passed=2)
+    result.stdout.no_fnmatch_line("*forkserver is off*")
+    assert not log.exists(), log.read_text()
+
+
+def test_pytests_own_plugins_for_the_template_are_those_the_parent_loaded(pytester):
+    config = pytester.parseconfigure("-p", "no:junitxml")
+    names = _forkserver.pytest_modules(config)
+    assert {"_pytest.python", "_pytest.skipping", "_pytest.debugging", "pdb"} <= set(names)
+    assert "_pytest.junitxml" not in names
