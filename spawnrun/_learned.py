@@ -119,13 +119,19 @@ def store(
     stored = cache.get(key, {})
     stored = stored if isinstance(stored, dict) else {}
     merged = {**stored, **measured}
+    # By file, looked at once however many tests it has: (it exists, it was wholly collected).
+    files: dict[str, tuple[bool, bool]] = {}
     kept = {}
-    for nodeid, peak in merged.items():
+    for nodeid, record in merged.items():
         file = str(nodeid).split("::")[0]
-        if not (config.rootpath / file).exists():
+        if file not in files:
+            whole = collected is not None and collected.whole(file)
+            files[file] = ((config.rootpath / file).exists(), whole)
+        exists, whole = files[file]
+        if not exists:
             continue  # the file is gone
-        if collected is not None and collected.whole(file) and nodeid not in collected.ids:
+        if whole and collected is not None and nodeid not in collected.ids:
             continue  # the file's collection no longer yields this test
-        kept[nodeid] = peak
+        kept[nodeid] = record
     if kept != stored:
         cache.set(key, kept)

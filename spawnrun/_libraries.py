@@ -10,19 +10,14 @@ or ``__main__``.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Set
 from pathlib import Path
 from typing import Any
 
 
 def library_modules(rootdir: Path) -> list[str]:
-    """Third-party modules this process imported, in import order: the automatic preload.
-
-    Never a module below the rootdir (the suite, its conftests, an editable install of
-    the project under test), never the standard library (already cheap), never
-    spawnrun or ``__main__``.
-    """
-    return [name for name, module in list(sys.modules.items()) if is_library(module, rootdir)]
+    """Third-party modules this process imported, in import order: the automatic preload."""
+    return imported_since(frozenset(), rootdir)
 
 
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
@@ -45,11 +40,10 @@ def is_library(module: Any, rootdir: Path) -> bool:
     return not path.is_relative_to(rootdir) and not path.name.startswith("conftest")
 
 
-def imported_since(before: Iterable[str], rootdir: Path) -> list[str]:
+def imported_since(before: Set[str], rootdir: Path) -> list[str]:
     """Libraries this process imported that were not in ``before``, in import order."""
-    known = set(before)
     return [
         name
         for name, module in list(sys.modules.items())
-        if name not in known and is_library(module, rootdir)
+        if name not in before and is_library(module, rootdir)
     ]

@@ -509,7 +509,7 @@ class _AfterEachTest:
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    _store_peaks(config)
+    _store_learned(config)
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:
         return
@@ -534,8 +534,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             reports.sort(key=lambda r: order.get(getattr(r, "nodeid", ""), len(order)))
 
 
-def _store_peaks(config: pytest.Config) -> None:
-    """Keep this run's measured peaks in pytest's cache, for ``--spawn-pack auto``."""
+def _store_learned(config: pytest.Config) -> None:
+    """Keep what this run measured in pytest's cache: peaks (``--spawn-pack auto``),
+    durations (backfilling) and what tests imported (fast mode's learned preloads)."""
     peaks = config.stash.get(PEAKS_KEY, None)
     if peaks is None or _xdist_worker():
         return  # under xdist the controller stores what its workers' reports carry

@@ -218,10 +218,7 @@ def test_learned_budgets_pack_tests_on_the_second_run(pytester, stamps, measured
     learned: the second run keeps them alone (it learned a peak of 0 and shared them on a
     256 MiB budget, which a JAX test could overrun)."""
     if measured:
-        for name, text in FAKE_TORCH.items():
-            path = pytester.path / name
-            path.parent.mkdir(exist_ok=True)
-            path.write_text(text)
+        write_fake_torch(pytester)
     use = "import torch\n                torch.cuda.init()\n" if measured else ""
     pytester.makepyfile(
         test_learn=textwrap.dedent(
@@ -316,6 +313,14 @@ FAKE_TORCH = {
 }
 
 
+def write_fake_torch(pytester: pytest.Pytester) -> None:
+    """FAKE_TORCH in the inner suite's folder, ahead of the real torch on sys.path."""
+    for name, text in FAKE_TORCH.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+
+
 @pytest.mark.parametrize(
     "where, args",
     [
@@ -324,10 +329,7 @@ FAKE_TORCH = {
     ],
 )
 def test_the_budget_caps_torch_when_its_cuda_comes_up_and_not_before(pytester, where, args):
-    for name, text in FAKE_TORCH.items():
-        path = pytester.path / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
+    write_fake_torch(pytester)
     pytester.makeconftest("import torch\n" if where == "conftest" else "")
     pytester.makepyfile(
         test_cap=textwrap.dedent(
@@ -371,10 +373,7 @@ def test_the_budget_caps_torch_when_its_cuda_comes_up_and_not_before(pytester, w
 
 def test_peaks_of_tests_whose_file_is_gone_are_dropped(pytester):
     """The peaks cache only grew: a file's records outlived the file."""
-    for name, text in FAKE_TORCH.items():
-        path = pytester.path / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
+    write_fake_torch(pytester)
     body = (
         "import pytest\n\n@pytest.mark.gpu\ndef test_it():\n"
         "    import torch\n    torch.cuda.init()\n"
@@ -395,10 +394,7 @@ def test_peaks_of_tests_whose_file_is_gone_are_dropped(pytester):
 def test_peaks_of_tests_a_whole_file_no_longer_yields_are_dropped(pytester):
     """The peaks cache only grew: a renamed test's record outlived it. Records of tests
     that a run did not collect, but its file still has, stay (a node id, -k)."""
-    for name, text in FAKE_TORCH.items():
-        path = pytester.path / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
+    write_fake_torch(pytester)
     body = (
         "import pytest\n\n@pytest.mark.gpu\ndef test_{}():\n"
         "    import torch\n    torch.cuda.init()\n"
@@ -463,10 +459,7 @@ def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(pytester, stam
     """A learned budget is a guess: a test whose memory grew past it failed (torch's cap)
     on the run after the one that learned it, where in-process it passes. It now runs
     again at once, alone, and that run's outcome and peak count; the summary says so."""
-    for name, text in FAKE_TORCH.items():
-        path = pytester.path / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
+    write_fake_torch(pytester)
     pytester.makepyfile(
         test_grows="""
         import os
@@ -509,10 +502,7 @@ def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, st
     """The class of the test above, from the other side: a test with a declared budget
     that fails while a neighbour on a learned budget runs beside it (the neighbour's
     guess may be what it ran out of) runs again alone; that run counts."""
-    for name, text in FAKE_TORCH.items():
-        path = pytester.path / name
-        path.parent.mkdir(exist_ok=True)
-        path.write_text(text)
+    write_fake_torch(pytester)
     pytester.makepyfile(
         test_side="""
         import os, time

@@ -21,6 +21,7 @@ from spawnrun.dispatch.events import Outcome
 from spawnrun.dispatch.state import Entry
 from spawnrun.dispatch.state import Phase
 from spawnrun.dispatch.state import Run
+from spawnrun.dispatch.state import boot_key
 from spawnrun.dispatch.units import IDLE
 from spawnrun.dispatch.units import Child
 from spawnrun.dispatch.units import State
@@ -129,7 +130,7 @@ class Ends(Run):
         test = self.tests[child.test].test
         if child.kind in (Kind.SPAWN, Kind.SCOPE, Kind.EARLY):
             self.boots[test.file or test.id] = touched
-        key = (child.kind is Kind.FORK, test.file or test.id)
+        key = boot_key(test, child.kind is Kind.FORK)
         took = self.now - child.since
         self.boot_seconds[key] = max(took, self.boot_seconds.get(key, 0.0))
 

@@ -46,6 +46,12 @@ class Entry:
     again: bool = False
 
 
+def boot_key(test: ev.Test, fork: bool) -> tuple[bool, str]:
+    """What boot times are kept by (``Run.boot_seconds``): a fork's or a child's, of a
+    file (a test's file, else its id)."""
+    return fork, test.file or test.id
+
+
 class Run:
     def __init__(self, settings: ev.Settings) -> None:
         self.settings = settings
@@ -261,7 +267,7 @@ class Run:
             return None
         if child.state is State.RUNNING:
             return child.since + entry.test.duration
-        boot = self.boot_seconds.get((child.kind is Kind.FORK, entry.test.file or entry.test.id))
+        boot = self.boot_seconds.get(boot_key(entry.test, child.kind is Kind.FORK))
         if child.state is not State.STARTING or boot is None:
             return None
         return child.since + boot + entry.test.duration
@@ -293,13 +299,10 @@ class Run:
         if test.duration is None or test.scope:
             return None
         own = self.child_for(test)
-        if own is not None and own.state in IDLE:
-            boot = 0.0
-        else:
-            boot_of = self.boot_seconds.get((bool(test.template), test.file or test.id))
-            if boot_of is None:
-                return None
-            boot = boot_of
+        booted = own is not None and own.state in IDLE
+        boot = 0.0 if booted else self.boot_seconds.get(boot_key(test, bool(test.template)))
+        if boot is None:
+            return None
         factor, extra = self.SLACK
         return self.now + (boot + test.duration) * factor + extra
 
