@@ -25,6 +25,10 @@ Builds its suites in a temporary folder and runs, in one invocation (on one H200
    ``exclusive=True``, 2 ``count=0``: plain, ``-n 8``, then spawnrun default and fast
    mode, each twice in a folder of its own with pytest's cache kept (the second run has
    the first one's records: durations, boots). No option beyond the marker.
+6. collect: the shape of kornia's and vLLM's suites. 40 unmarked tests in 4 files (0.05-
+   0.15 s of small matmuls each), whose conftest makes a CUDA context while pytest
+   collects, so no file template is safe: plain, then spawnrun fast mode with
+   ``--spawn-gpu`` twice, pytest's cache kept (default mode boots an interpreter per test).
 
 Every test appends a stamp (JSON line: node id, pid, start and end wall-clock,
 ``CUDA_VISIBLE_DEVICES``, ``SPAWNRUN_GPU_BUDGET``, the device's UUID, free and total
@@ -225,6 +229,44 @@ def mixed_files() -> dict[str, str]:
         text = f"\n\n@pytest.mark.{mark}\ndef test_{n:02d}_{kind}():\n    {body}\n"
         files[f"test_mixed_{n % 3}.py"].append(text)
     return {name: "".join(parts) for name, parts in files.items()}
+
+
+#: The collect case's conftest ends as kornia's, vLLM's or timm's test_layers' do: the
+#: device is asked for and initialized while pytest collects (no file template is safe).
+COLLECT_INIT = """
+
+if CUDA and torch.cuda.is_available():
+    torch.empty(1, device="cuda")
+"""
+
+COLLECT = """
+import os
+import time
+
+import pytest
+import torch
+
+DEVICE = "cuda" if os.environ.get("PACKING_DEVICE", "cuda") == "cuda" else "cpu"
+
+
+@pytest.mark.parametrize("i", range({n}))
+def test_op(i):
+    a = torch.randn(256, 256, device=DEVICE)
+    end = time.monotonic() + 0.05 * (1 + i % 3)
+    while time.monotonic() < end:
+        a = (a @ a).clamp_(-1, 1)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+    assert a.shape == (256, 256)
+"""
+
+
+def collect_files(files: int = 4, per_file: int = 10) -> dict[str, str]:
+    """The collect case: unmarked tests (run with --spawn-gpu), a conftest that makes a
+    CUDA context while collecting."""
+    out = {"conftest.py": CONFTEST + COLLECT_INIT}
+    out.update({f"test_collect_{f}.py": COLLECT.format(n=per_file) for f in range(files)})
+    return out
 
 
 BUDGET_MARK = 'pytest.mark.gpu(memory="2GiB")'
@@ -547,6 +589,13 @@ def plan(b: Bench) -> list[Planned]:
             for run_ in (1, 2):
                 label = f"spawnrun {mode}, run {run_}"
                 rows.append(Planned("mixed", label, extra, 48, plain_mixed, f"mixed {mode}"))
+    if "collect" in o.cases:
+        plain_collect = 0.1 * 40 + 6
+        rows.append(Planned("collect", "plain", NO_SPAWNRUN, 40, plain_collect, "collect"))
+        for run_ in (1, 2):  # default mode boots an interpreter per test: fast only
+            label = f"spawnrun fast, run {run_}"
+            args = [*FAST, "--spawn-gpu"]
+            rows.append(Planned("collect", label, args, 40, 2 * plain_collect, "collect fast"))
     if "auto" in o.cases:
         for mode, extra, t in (("fast", FAST, fast), ("default", [], 1.5 * plain)):
             # --auto-learn once: fast mode's learning run serves both modes.
@@ -571,6 +620,7 @@ def execute(b: Bench) -> None:
         },
         "leak": {"test_leak.py": LEAK},
         "mixed": mixed_files(),
+        "collect": collect_files(),
         "auto": {
             "test_work.py": WORK.format(body=o.body_seconds, mark="pytest.mark.gpu", n=o.tests)
         },
@@ -597,7 +647,7 @@ def execute(b: Bench) -> None:
             warm = make_suite(b.root, "warm-up", texts["exclusive"])
             run(warm, NO_SPAWNRUN, o.run_timeout, None, env=_env(o, os.devnull))
         env = {"PACKING_BODY_SECONDS": str(o.learn_body_seconds)} if p.learns else {}
-        cache = AUTO[0] in p.args or p.case == "mixed"
+        cache = AUTO[0] in p.args or p.case in ("mixed", "collect")
         if o.warm and p.case in ("throughput", "exclusive"):
             cache = True
             if m.spawnrun and p.folder not in warmed:
@@ -744,18 +794,22 @@ def targets(b: Bench) -> list[TargetResult]:
     if "mixed" in b.opts.cases:  # issue 25: no option beyond the marker
         for mode, limit in (("fast, run 1", 1.2), ("fast, run 2", 1.0), ("default, run 2", 1.0)):
             found.append(_wall_target(b, "mixed", f"spawnrun {mode}", "plain", limit, "mixed"))
+    if "collect" in b.opts.cases:  # issue 25: a conftest that makes a context at collection
+        for mode, limit in (("fast, run 1", 2.5), ("fast, run 2", 1.5)):
+            found.append(_wall_target(b, "collect", f"spawnrun {mode}", "plain", limit, "collect"))
     return found + _exclusive_targets(b) + _leak_targets(b) + _overrun_targets(b)
 
 
 def report(b: Bench) -> None:
     x = b.find("throughput", f"xdist -n {b.opts.xdist}")
-    for case in ("throughput", "auto", "exclusive", "leak", "mixed"):
+    for case in ("throughput", "auto", "exclusive", "leak", "mixed", "collect"):
         rows = [m for m in b.results if m.case == case]
         if not rows:
             continue
-        if case == "mixed":
-            x = b.find("mixed", f"xdist -n {b.opts.xdist}")
-        plain = b.find(case if case in ("exclusive", "mixed") else "throughput", "plain")
+        if case in ("mixed", "collect"):
+            x = b.find(case, f"xdist -n {b.opts.xdist}")
+        own_plain = ("exclusive", "mixed", "collect")
+        plain = b.find(case if case in own_plain else "throughput", "plain")
         third = {"exclusive": "ms/test", "leak": "shared"}.get(case, "vs -n")
         print(f"\n{case}:")
         print(
@@ -854,7 +908,7 @@ def _fmt(v: float | None) -> str:
 
 def main() -> None:
     parser = script_parser(__doc__)
-    cases = ["throughput", "exclusive", "leak", "auto", "mixed"]
+    cases = ["throughput", "exclusive", "leak", "auto", "mixed", "collect"]
     parser.add_argument("--cpu", action="store_true", help="dry run without CUDA (see below)")
     parser.add_argument("-n", "--tests", type=int, help="throughput tests (64; --cpu: 8)")
     parser.add_argument("--body-seconds", type=float, help="work per test (0.3; --cpu: 0.1)")

@@ -37,6 +37,8 @@ from spawnrun.dispatch.units import State as Life
 #: The dispatcher's own exit, kill and settle limits are backstops: the ending's
 #: (``_ending``) come first and say more.
 _BACKSTOP = 30.0
+#: Tests that need their devices alone which may wait together for one drain.
+GATHER = 32
 
 
 def early_key(path: str, plan: _packing.Plan) -> str:
@@ -126,6 +128,7 @@ class Units(Loop):
                     defer=self._may_defer(),
                     boots=_boots.load(self.config) if self.config is not None else (),
                     backfill=self.backfill(),
+                    gather=self.gather(),
                 )
             )
         return self._core
@@ -137,6 +140,19 @@ class Units(Loop):
         if self.ledger is not None or self.limit < 2 or not self.durations:
             return 0
         return max(2 * self.limit, self.lookahead)
+
+    def gather(self) -> int:
+        """How many tests that need their devices alone may wait, passed over while
+        others hold their devices, so that one drain serves several: not under xdist
+        (its controller hands each worker its tests), not with one test at a time, and
+        not when a failure stops the session (``-x``, ``--maxfail``, ``--stepwise``: the
+        tests pytest reached before it would still run)."""
+        if self.ledger is not None or self.limit < 2 or self.config is None:
+            return 0
+        option = self.config.option
+        if getattr(option, "maxfail", 0) or getattr(option, "stepwise", False):
+            return 0
+        return max(GATHER, 2 * self.limit)
 
     def _may_defer(self) -> bool:
         """Whether children may boot unclaimed: not under xdist (a claim is the ledger's

@@ -436,6 +436,15 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
             else "(no duration recorded yet, one job at a time, or under xdist)"
         )
     )
+    gather = scheduler.gather()
+    header.append(
+        f"spawnrun: gathering {'on' if gather else 'off'} "
+        + (
+            f"(up to {gather} tests that need their GPUs alone wait for one drain)"
+            if gather
+            else "(one job at a time, under xdist, or a failure stops the session)"
+        )
+    )
     durations = scheduler.durations if backfill else None
     text = _explain.lines(session.items, settings, dict(_boots.load(config)), header, durations)
     if reporter is not None:

@@ -527,3 +527,49 @@ def test_a_test_that_failed_on_a_guess_runs_again_alone_once() -> None:
     assert world.agains == ["guessed"] and world.needs["guessed"] is None
     # Alone: it waited for its neighbour to leave the device.
     assert world.went["guessed"] >= 3.0
+
+
+def _mixed_suite() -> list[Spec]:
+    """Budgeted tests of 1-3 s with a test that needs the device alone after every
+    third of them (the shape of issue 25's mixed suite: bare and exclusive tests among
+    budgeted ones)."""
+    specs = []
+    for i in range(18):
+        seconds = (1.0, 2.0, 3.0)[i % 3]
+        specs.append(Spec(ev.Test(f"b{i}", need=2 * GiB, file="f.py"), duration=seconds))
+        if i % 3 == 2:
+            specs.append(Spec(ev.Test(f"alone{i}", file="f.py"), duration=0.5))
+    return specs
+
+
+def test_tests_that_need_the_device_alone_share_one_drain() -> None:
+    """Each test that needed the device alone drained it at its turn: nothing new
+    started until every running test had left, and after it the device filled again,
+    six times (issue 25). Gathered, they wait while the budgeted tests run and then run
+    one after another in a single drain; the run is shorter and nothing is lost."""
+    specs = _mixed_suite()
+    each = World(_settings(), specs)
+    gathered = World(_settings(gather=32), specs)
+    first, second = each.run(), gathered.run()
+    for result in (first, second):
+        assert result.stuck == []
+        assert result.ends == {s.test.id: ["replay"] for s in specs}
+    alone = [s.test.id for s in specs if s.test.need is None]
+    budgeted = [s.test.id for s in specs if s.test.need is not None]
+    assert min(gathered.went[a] for a in alone) >= max(gathered.went[b] for b in budgeted)
+    assert min(each.went[a] for a in alone) < max(each.went[b] for b in budgeted)
+    assert second.time < first.time - 4.0, (first.time, second.time)
+
+
+def test_gathering_stops_at_its_limit_and_when_only_gathered_tests_are_left() -> None:
+    """At most ``gather`` such tests wait passed over; past that limit the earliest is
+    the head again (pytest waits there), so how far pytest runs ahead stays bounded."""
+    specs = _mixed_suite()
+    world = World(_settings(gather=2), specs)
+    result = world.run()
+    assert result.stuck == [] and result.ends == {s.test.id: ["replay"] for s in specs}
+    alone = [s.test.id for s in specs if s.test.need is None]
+    budgeted = [s.test.id for s in specs if s.test.need is not None]
+    # The third one waiting made the first the head: some ran before the last budgeted.
+    assert min(world.went[a] for a in alone) < max(world.went[b] for b in budgeted)
+    assert sorted(alone, key=world.went.__getitem__) == alone  # still in their order

@@ -50,6 +50,7 @@ def scenarios(draw: st.DrawFn, drain: bool = False) -> World:
         patience=50.0,
         defer=draw(st.booleans()),
         backfill=draw(st.sampled_from([1, 4] if drain else [0, 0, 1, 4])),
+        gather=draw(st.sampled_from([0, 0, 1, 3, 32])),
     )
     if drain:
         config = replace(config, jobs=max(config.jobs, 2))
@@ -115,7 +116,7 @@ def scenarios(draw: st.DrawFn, drain: bool = False) -> World:
         )
     )
     if peers:  # xdist: children claim through the ledger at their start (never deferred)
-        config = replace(config, defer=False, backfill=0)
+        config = replace(config, defer=False, backfill=0, gather=0)
     expect = tuple((f"file{k}", 1, None) for k in draw(st.lists(st.sampled_from("012"))))
     return World(
         config,
@@ -230,3 +231,21 @@ def test_the_generator_reaches_every_fate(jobs: int) -> None:
 
     collect()
     assert fates == set(FATES)
+
+
+def test_the_generator_exercises_gathering() -> None:
+    """A guard for the properties: some drawn suites pass over tests that need their
+    devices alone while their devices are busy (``Settings.gather``)."""
+    gathered = []
+
+    @settings(max_examples=300, deadline=None, database=None)
+    @given(scenarios())
+    def collect(world: World) -> None:
+        if not world.settings.gather or world.settings.backfill:
+            return
+        result = world.run()
+        entries = result.dispatcher.tests.values()
+        gathered.extend(e.test.id for e in entries if e.passed and e.test.need is None)
+
+    collect()
+    assert len(gathered) >= 10, gathered

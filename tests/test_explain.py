@@ -45,6 +45,7 @@ def test_explain_says_where_each_test_would_run_and_runs_nothing(pytester, monke
             "spawnrun: up to * test(s) at once, at most * per GPU; packing auto; children spawned",
             "spawnrun: backfilling off (no duration recorded yet, one job at a time, or "
             "under xdist)",
+            "spawnrun: gathering on (up to 32 tests that need their GPUs alone wait for one drain)",
             "test_suite.py::test_budget: spawned; 1 GPU; budget 2.0 GiB (memory='2GiB'); "
             "timeout none; its child holds its devices from its start (its file's boot is "
             "not known yet)",
@@ -54,6 +55,8 @@ def test_explain_says_where_each_test_would_run_and_runs_nothing(pytester, monke
         ]
     )
     explained.stdout.no_fnmatch_line("*started while collecting*")
+    stopping = pytester.runpytest_subprocess(*ARGS, "--spawn-explain", "-x")
+    stopping.stdout.fnmatch_lines(["spawnrun: gathering off (*a failure stops the session)"])
     # After a run, what the file's boot touched is known: its children may boot unclaimed.
     pytester.runpytest_subprocess(*ARGS).assert_outcomes(passed=3, skipped=1)
     again = pytester.runpytest_subprocess(*ARGS, "--spawn-explain")

@@ -135,10 +135,8 @@ def test_budgeted_tests_share_a_device_within_its_memory(pytester, stamps, args)
     assert overlapping(seen, "no_budget") == []
     assert seen["exclusive"]["budget"] == 0
     if "-n" not in args:
-        # Turns in collection order: the exclusive test waited for the device to
-        # empty, and nothing after it started before it.
-        later = ["no_budget", "after0", "after1"]
-        assert all(seen[n]["start"] >= seen["exclusive"]["end"] for n in later)
+        # (The alone tests wait, passed over, while budgeted ones run: the order is
+        # test_tests_that_need_the_device_alone_wait_for_one_drain's to check.)
         # Who met whom depends on timing (the fifth budgeted test may run on its own);
         # the summary accounts for all seven, and at least every pair the stamps saw.
         line = re.search(
@@ -413,12 +411,12 @@ def test_peaks_of_tests_a_whole_file_no_longer_yields_are_dropped(pytester):
     assert sorted(json.loads(peaks.read_text())) == ["test_a.py::test_one"]
 
 
-def test_short_tests_are_backfilled_while_an_exclusive_test_waits_on_a_later_run(pytester, stamps):
-    """An exclusive test waits for a long budgeted one to leave the device; short
-    budgeted tests after it waited too, one drain each (issue 25). On a later run, with
-    their durations recorded, they run beside the long test meanwhile and end before it;
-    the exclusive test still runs alone. On the first run nothing is recorded: the order
-    is pytest's."""
+def test_short_tests_are_backfilled_while_a_large_budget_waits_on_a_later_run(pytester, stamps):
+    """A test with a large budget waits for a long budgeted one to leave room; short
+    budgeted tests after it waited too (issue 25). On a later run, with their durations
+    recorded, they run beside the long test meanwhile and end before it; the large test
+    still never shares beyond the device's memory. On the first run nothing is recorded:
+    the order is pytest's."""
     pytester.makepyfile(
         test_drain="""
         import pytest
@@ -428,9 +426,9 @@ def test_short_tests_are_backfilled_while_an_exclusive_test_waits_on_a_later_run
         def test_a_long():
             stamp("long", 7.0)
 
-        @pytest.mark.gpu(exclusive=True)
-        def test_b_exclusive():
-            stamp("exclusive", 0.2)
+        @pytest.mark.gpu(memory="77GiB")
+        def test_b_large():
+            stamp("large", 0.2)
 
         @pytest.mark.parametrize("i", range(2))
         @pytest.mark.gpu(memory="2GiB")
@@ -444,14 +442,62 @@ def test_short_tests_are_backfilled_while_an_exclusive_test_waits_on_a_later_run
         stamps.unlink(missing_ok=True)
         pytester.runpytest_subprocess(*args).assert_outcomes(passed=4)
         seen = read_stamps(stamps)
-        assert overlapping(seen, "exclusive") == [], seen  # alone, as declared
+        assert overlapping(seen, "large") == [], seen  # 77 GiB leaves room for no other budget
         if run == "first":
-            assert all(seen[s]["start"] > seen["exclusive"]["end"] for s in shorts), seen
+            assert all(seen[s]["start"] > seen["large"]["end"] for s in shorts), seen
         else:
             assert all(seen[s]["end"] < seen["long"]["end"] for s in shorts), seen
     durations = pytester.path / ".pytest_cache" / "v" / "spawnrun" / "durations"
     recorded = json.loads(durations.read_text())
     assert 7.0 <= recorded["test_drain.py::test_a_long"] < 30, recorded
+
+
+@pytest.mark.parametrize("maxfail", [[], ["--maxfail", "5"]], ids=["gathered", "with-maxfail"])
+def test_tests_that_need_the_device_alone_wait_for_one_drain(pytester, stamps, maxfail):
+    """Each exclusive or unbudgeted test drained the device at its turn: nothing new
+    started until every running test had left (issue 25). Now they wait, passed over,
+    while the budgeted tests after them run, and then run one after another in one
+    drain, each alone; on the first run, with nothing recorded. Where a failure stops
+    the session (``--maxfail``), pytest's order is kept: what it reached would still run."""
+    pytester.makepyfile(
+        test_mixed="""
+        import pytest
+        from stamping import stamp
+
+        @pytest.mark.gpu(memory="2GiB")
+        def test_a():
+            stamp("a", 1.5)
+
+        @pytest.mark.gpu(exclusive=True)
+        def test_b_exclusive():
+            stamp("exclusive", 0.2)
+
+        @pytest.mark.gpu(memory="2GiB")
+        def test_c():
+            stamp("c", 0.2)
+
+        @pytest.mark.gpu
+        def test_d_bare():
+            stamp("bare", 0.2)
+
+        @pytest.mark.gpu(memory="2GiB")
+        def test_e():
+            stamp("e", 0.2)
+        """
+    )
+    args = ["-p", "no:cacheprovider", "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB"]
+    result = pytester.runpytest_subprocess(*args, "--spawn-jobs", "3", *maxfail)
+    result.assert_outcomes(passed=5)
+    seen = read_stamps(stamps)
+    alone, budgeted = ["exclusive", "bare"], ["a", "c", "e"]
+    for name in alone:
+        assert overlapping(seen, name) == [], seen  # alone, as declared
+    if maxfail:
+        assert seen["c"]["start"] > seen["exclusive"]["end"], seen
+    else:
+        last_budgeted = max(seen[b]["end"] for b in budgeted)
+        assert all(seen[a]["start"] > last_budgeted for a in alone), seen
+        assert seen["exclusive"]["start"] < seen["bare"]["start"], seen
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])

@@ -19,7 +19,10 @@ def record(name):
     devices = os.environ.get("CUDA_VISIBLE_DEVICES")
     time.sleep({DURATION})
     with open(f"rec-{{name}}.json", "w") as f:
-        json.dump({{"devices": devices, "start": start, "end": time.time()}}, f)
+        json.dump({{
+            "devices": devices, "start": start, "end": time.time(), "pid": os.getpid(),
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+        }}, f)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("i", range(4))
@@ -62,7 +65,8 @@ def test_tests_share_the_declared_gpus(pytester, xdist):
     # Never two tests on one device at the same time; the two-GPU test runs alone.
     for a, b in itertools.combinations([*ones, recs["two"]], 2):
         if a["start"] < b["end"] and b["start"] < a["end"]:
-            assert not set(a["devices"].split(",")) & set(b["devices"].split(","))
+            shared = set(a["devices"].split(",")) & set(b["devices"].split(","))
+            assert not shared, (a, b, result.stdout.str())
     overlapping = sum(
         1
         for a, b in itertools.combinations(ones, 2)

@@ -29,6 +29,12 @@ Policy, in full:
   tests hold, later tests that fit now and, by what earlier runs recorded
   (``Test.duration``), end before the head could start (``shadow``) run meanwhile; pytest
   goes on past such a head so that they reach the queue. Unrecorded: nothing changes.
+* **Gathering** (``Settings.gather``): a test that needs its devices alone, whose
+  devices others hold, waits passed over (pytest goes on) while later tests that fit
+  run; it runs once its devices are empty, so that one drain serves several such tests
+  instead of each draining the device at its turn. Not once the session stops, not past
+  ``gather`` such tests waiting (the earliest is the head again), and not once pytest
+  reached its last test with nothing but them left to start.
 * **A scope's child runs its members in order.** A test that is not its child's next
   member gets a child of its own (the old one is dismissed once idle).
 * **Nothing waits without a wake-up.** After each batch of events, if the head waits and
@@ -143,7 +149,7 @@ class Dispatcher(Ends):
                 # Every slot taken is progress that frees one: the tests that wait for
                 # it boot meanwhile (their claims are preempted if the head needs them).
                 # So is a head whose own child boots.
-                self._boot_ahead(waiting=head is not None)
+                self._boot_ahead(waiting=head is not None or bool(self.queue))
             if head is None or booting:
                 return
             if live.can_move(self, head):
@@ -158,8 +164,13 @@ class Dispatcher(Ends):
         ("blocked": for a slot or devices; "booting": for its own child's boot)."""
         if self.stopping and not self.stopped_after:
             return None, ""
+        gathering = self._gathering()
         for tid in list(self.queue):  # after a stop: the tests reached before its test
-            placed = self._place(self.tests[tid])
+            entry = self.tests[tid]
+            if gathering and self._gathers(entry):
+                entry.passed = True  # pytest goes on; it runs once its devices are empty
+                continue
+            placed = self._place(entry)
             if placed in ("started", "ended"):
                 if tid in self.queue:
                     self.queue.remove(tid)
@@ -171,6 +182,39 @@ class Dispatcher(Ends):
                 self._preempt(self.tests[tid].test)
                 return tid, placed
         return None, ""
+
+    def _gathering(self) -> bool:
+        """Whether tests that need their devices alone are passed over while their
+        devices are busy (``Settings.gather``): not once the session stops, not past the
+        limit of such tests waiting, and not once pytest reached its last test with
+        nothing but them left to start (then one drain serves them all)."""
+        if not self.settings.gather or self.stopping:
+            return False
+        alone = [t for t in self.queue if self._gatherable(self.tests[t])]
+        if len(alone) > self.settings.gather:
+            return False
+        return not self.last or len(alone) < len(self.queue)
+
+    def _gatherable(self, entry: Entry) -> bool:
+        test = entry.test
+        return (
+            test.need is ev.ALONE
+            and self.wanted(test) > 0
+            and not test.scope
+            and not entry.again  # it runs again at once, as its report says
+        )
+
+    def _gathers(self, entry: Entry) -> bool:
+        """A test that needs its devices alone, which others hold now: it waits, passed
+        over, while tests that fit run (each drain of a device serves several such
+        tests instead of one). Its own child booted ahead, if any, waits with it."""
+        if not self._gatherable(entry) or self.in_slot() >= self.settings.jobs:
+            return False
+        own = self.child_for(entry.test)
+        if own is not None and own.devices and not self.waits_for_devices(own):
+            return False  # booted holding its devices: it goes now
+        among = self.bound_to(entry.test)
+        return self.choose(entry.test, among=among) is None
 
     def _place(self, entry: Entry) -> Placed:
         test = entry.test

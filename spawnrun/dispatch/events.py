@@ -343,7 +343,9 @@ class Settings:
     to make a context boot unclaimed (``Start.deferred``); ``boots``: what earlier runs
     saw each file's boot touch (``Booted.touched``); ``backfill``: how many tests may
     wait in the queue past a head that waits for devices (0: pytest waits at the head, and
-    nothing is backfilled).
+    nothing is backfilled); ``gather``: how many tests that need their devices alone may
+    wait, passed over while their devices are busy, so that one drain serves them
+    together (0: each drains its devices at its turn).
     """
 
     devices: tuple[str, ...] = ("0",)
@@ -361,3 +363,4 @@ class Settings:
     defer: bool = False
     boots: tuple[tuple[str, str], ...] = ()
     backfill: int = 0
+    gather: int = 0

@@ -1,0 +1,109 @@
+"""A project's own test suite, plain and under spawnrun, side by side in one run.
+
+Runs the given test paths in ``--root`` (a checkout of the project, its package first on
+``PYTHONPATH``) under plain pytest (spawnrun off), then under spawnrun with
+``--spawn-args`` (fast mode and ``--spawn-gpu`` by default) ``--runs`` times, pytest's
+cache kept between them (a second run has the first one's records). Each run writes a
+junit XML; the report gives each run's wall time, its ratio to plain, and every test id
+whose outcome differs from plain's (the parity check: isolation must not change what a
+test does).
+
+    python benchmarks/thirdparty.py --root .thirdparty/timm tests/test_layers.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def outcomes(xml: Path) -> dict[str, str]:
+    """Each test id's outcome in a junit XML (passed, failed, error, skipped)."""
+    found: dict[str, str] = {}
+    if not xml.exists():
+        return found
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        how = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                how = {"failure": "failed"}.get(child.tag, child.tag)
+                break
+        found[name] = how
+    return found
+
+
+def run(root: Path, args: list[str], xml: Path, limit: float, log: Path | None) -> dict:
+    command = [sys.executable, "-m", "pytest", *args, f"--junitxml={xml}", "-q"]
+    print(f"  $ {shlex.join(command[1:])}", flush=True)
+    start = time.monotonic()
+    try:
+        done = subprocess.run(
+            command, cwd=root, capture_output=True, text=True, timeout=limit, check=False
+        )
+        code, text = done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as exc:
+        code = -1
+        text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+    wall = time.monotonic() - start
+    if log is not None:
+        log.write_text(text)
+    tail = [line for line in text.splitlines() if line.strip()][-1:] or [""]
+    print(f"    {wall:6.1f}s rc {code}: {tail[0]}", flush=True)
+    return {"wall": wall, "rc": code, "tail": tail[0], "outcomes": outcomes(xml)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", help="test paths or ids, relative to --root")
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--spawn-args", default="--spawn-method forkserver --spawn-gpu")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--run-timeout", type=float, default=150)
+    parser.add_argument("--logs", type=Path)
+    parser.add_argument("--out", type=Path)
+    opts = parser.parse_args()
+    root = opts.root.resolve()
+    shutil.rmtree(root / ".pytest_cache", ignore_errors=True)
+    if opts.logs:
+        opts.logs.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    rows = [("plain", ["-p", "no:spawnrun", "-p", "no:cacheprovider"])]
+    rows += [(f"spawnrun, run {i}", shlex.split(opts.spawn_args)) for i in range(1, opts.runs + 1)]
+    for label, extra in rows:
+        slug = label.replace(" ", "").replace(",", "_")
+        log = opts.logs / f"{slug}.txt" if opts.logs else None
+        print(f"{label}:", flush=True)
+        results[label] = run(
+            root, [*opts.paths, *extra], root / f"{slug}.xml", opts.run_timeout, log
+        )
+    plain = results["plain"]
+    print(f"\n{len(plain['outcomes'])} test ids")
+    print(f"  {'run':18} {'wall':>7} {'vs plain':>9}  differing ids")
+    for label, r in results.items():
+        ratio = r["wall"] / plain["wall"] if plain["wall"] else float("nan")
+        differ = sorted(
+            t for t in plain["outcomes"] if r["outcomes"].get(t) != plain["outcomes"][t]
+        )
+        r["differ"] = differ
+        print(f"  {label:18} {r['wall']:6.1f}s {ratio:8.2f}x  {len(differ)}")
+        for t in differ[:10]:
+            print(f"      {t}: {plain['outcomes'][t]} -> {r['outcomes'].get(t, 'missing')}")
+    counts: dict[str, int] = {}
+    for how in plain["outcomes"].values():
+        counts[how] = counts.get(how, 0) + 1
+    print(f"  plain outcomes: {counts}")
+    if opts.out:
+        slim = {k: {**v, "outcomes": len(v["outcomes"])} for k, v in results.items()}
+        opts.out.write_text(json.dumps({"paths": opts.paths, "runs": slim}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
