@@ -25,10 +25,11 @@ Builds its suites in a temporary folder and runs, in one invocation (on one H200
    ``exclusive=True``, 2 ``count=0``: plain, ``-n 8``, then spawnrun default and fast
    mode, each twice in a folder of its own with pytest's cache kept (the second run has
    the first one's records: durations, boots). No option beyond the marker.
-6. collect: the shape of kornia's and vLLM's suites. 40 unmarked tests in 4 files (0.05-
-   0.15 s of small matmuls each), whose conftest makes a CUDA context while pytest
-   collects, so no file template is safe: plain, then spawnrun fast mode with
-   ``--spawn-gpu`` twice, pytest's cache kept (default mode boots an interpreter per test).
+6. collect: the shape of kornia's suite. 40 unmarked tests in 4 files (0.05-0.15 s of
+   small matmuls each), whose conftest asks ``torch.cuda.is_available()`` while pytest
+   collects (``--collect-context``: and makes a context), so no file template is safe:
+   plain, then spawnrun fast mode with ``--spawn-gpu`` twice, pytest's cache kept
+   (default mode boots an interpreter per test).
 
 Every test appends a stamp (JSON line: node id, pid, start and end wall-clock,
 ``CUDA_VISIBLE_DEVICES``, ``SPAWNRUN_GPU_BUDGET``, the device's UUID, free and total
@@ -231,11 +232,13 @@ def mixed_files() -> dict[str, str]:
     return {name: "".join(parts) for name, parts in files.items()}
 
 
-#: The collect case's conftest ends as kornia's, vLLM's or timm's test_layers' do: the
-#: device is asked for and initialized while pytest collects (no file template is safe).
+#: The collect case's conftest ends as kornia's does (timm's test_layers asks the same
+#: in a skipif): the CUDA driver is initialized while pytest collects, so no file
+#: template is safe; ``--collect-context`` also makes a context there.
 COLLECT_INIT = """
 
-if CUDA and torch.cuda.is_available():
+TEST_DEVICES = ["cpu", "cuda"] if CUDA and torch.cuda.is_available() else ["cpu"]
+if os.environ.get("PACKING_COLLECT_CONTEXT"):
     torch.empty(1, device="cuda")
 """
 
@@ -647,6 +650,8 @@ def execute(b: Bench) -> None:
             warm = make_suite(b.root, "warm-up", texts["exclusive"])
             run(warm, NO_SPAWNRUN, o.run_timeout, None, env=_env(o, os.devnull))
         env = {"PACKING_BODY_SECONDS": str(o.learn_body_seconds)} if p.learns else {}
+        if p.case == "collect" and o.collect_context and not o.cpu:
+            env["PACKING_COLLECT_CONTEXT"] = "1"
         cache = AUTO[0] in p.args or p.case in ("mixed", "collect")
         if o.warm and p.case in ("throughput", "exclusive"):
             cache = True
@@ -929,6 +934,11 @@ def main() -> None:
         action="store_true",
         help="throughput and exclusive: runs keep pytest's cache in their folder, after an "
         "untimed spawnrun run (a later run of a suite: spawn_pycache's bytecode is there)",
+    )
+    parser.add_argument(
+        "--collect-context",
+        action="store_true",
+        help="collect: the conftest also makes a CUDA context while collecting",
     )
     parser.add_argument("--reserve", default="1GiB", help="per-process reserve (default 1GiB)")
     parser.add_argument(
