@@ -452,13 +452,19 @@ def test_short_tests_are_backfilled_while_a_large_budget_waits_on_a_later_run(py
     assert 7.0 <= recorded["test_drain.py::test_a_long"] < 30, recorded
 
 
-@pytest.mark.parametrize("maxfail", [[], ["--maxfail", "5"]], ids=["gathered", "with-maxfail"])
-def test_tests_that_need_the_device_alone_wait_for_one_drain(pytester, stamps, maxfail):
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--spawn-method", "forkserver"], ["--maxfail", "5"]],
+    ids=["gathered", "gathered-fast", "with-maxfail"],
+)
+def test_tests_that_need_the_device_alone_wait_for_one_drain(pytester, stamps, extra):
     """Each exclusive or unbudgeted test drained the device at its turn: nothing new
     started until every running test had left (issue 25). Now they wait, passed over,
     while the budgeted tests after them run, and then run one after another in one
-    drain, each alone; on the first run, with nothing recorded. Where a failure stops
-    the session (``--maxfail``), pytest's order is kept: what it reached would still run."""
+    drain, each alone; on the first run, with nothing recorded; in fast mode too, where
+    a file's alone tests are forked from a template that collected it. Where a failure
+    stops the session (``--maxfail``), pytest's order is kept: what it reached would
+    still run."""
     pytester.makepyfile(
         test_mixed="""
         import pytest
@@ -486,13 +492,13 @@ def test_tests_that_need_the_device_alone_wait_for_one_drain(pytester, stamps, m
         """
     )
     args = ["-p", "no:cacheprovider", "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB"]
-    result = pytester.runpytest_subprocess(*args, "--spawn-jobs", "3", *maxfail)
+    result = pytester.runpytest_subprocess(*args, "--spawn-jobs", "3", *extra)
     result.assert_outcomes(passed=5)
     seen = read_stamps(stamps)
     alone, budgeted = ["exclusive", "bare"], ["a", "c", "e"]
     for name in alone:
         assert overlapping(seen, name) == [], seen  # alone, as declared
-    if maxfail:
+    if "--maxfail" in extra:
         assert seen["c"]["start"] > seen["exclusive"]["end"], seen
     else:
         last_budgeted = max(seen[b]["end"] for b in budgeted)

@@ -32,7 +32,8 @@ Policy, in full:
 * **Gathering** (``Settings.gather``): a test that needs its devices alone, whose
   devices others hold, waits passed over (pytest goes on) while later tests that fit
   run; it runs once its devices are empty, so that one drain serves several such tests
-  instead of each draining the device at its turn. Not once the session stops, not past
+  instead of each draining the device at its turn (a scope's test only while its scope
+  has no child). Not once the session stops, not past
   ``gather`` such tests waiting (the earliest is the head again), and not once pytest
   reached its last test with nothing but them left to start.
 * **A scope's child runs its members in order.** A test that is not its child's next
@@ -200,7 +201,9 @@ class Dispatcher(Ends):
         return (
             test.need is ev.ALONE
             and self.wanted(test) > 0
-            and not test.scope
+            # A scope's test only while its scope has no child (that child holds the
+            # scope's devices and runs its members in order).
+            and (not test.scope or self.scope_child(test.scope) is None)
             and not entry.again  # it runs again at once, as its report says
         )
 
