@@ -206,6 +206,42 @@ def pytest_generate_tests(metafunc):
     assert ("test_b.py::test_second[seq1]", "call", "passed", False) in seen
 
 
+def test_a_child_collects_only_the_path_to_its_test(pytester, monkeypatch):
+    """pytest lists every directory on the way to an argument and makes a collector of
+    each file and folder there: each child of a folder of 400 test files paid for all
+    of them (15 s against 9.4 s for 400 trivial tests in fast mode). A child now
+    collects only its file and the folders above it; what lies below a folder argument
+    (the parent's arguments, on fallback) is still collected, and subfolders' conftests
+    still apply."""
+    seen = pytester.path / "seen.txt"
+    monkeypatch.setenv("SEEN", str(seen))
+    pytester.makeconftest(
+        """
+        import os
+        import spawnrun
+
+        def pytest_collect_file(file_path, parent):
+            if spawnrun.is_child():
+                with open(os.environ["SEEN"], "a") as f:
+                    f.write(file_path.name + "\\n")
+        """
+    )
+    sub = pytester.mkpydir("sub")
+    (sub / "conftest.py").write_text(
+        "import pytest\n@pytest.fixture\ndef here():\n    return 'sub'\n"
+    )
+    (sub / "test_inner.py").write_text(
+        "import pytest\n@pytest.mark.gpu\ndef test_inner(here):\n    assert here == 'sub'\n"
+    )
+    (sub / "test_other.py").write_text("def test_other():\n    pass\n")
+    for name in ("test_a", "test_b", "test_c"):
+        pytester.makepyfile(**{name: "def test_plain():\n    pass\n"})
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=5)
+    # (A package's __init__.py is its own collector's in some pytest versions.)
+    assert set(seen.read_text().split()) - {"__init__.py"} == {"test_inner.py"}
+
+
 def test_not_found_is_a_failure_with_collection_errors(pytester):
     pytester.makepyfile(
         test_gone="""
