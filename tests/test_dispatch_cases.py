@@ -573,3 +573,23 @@ def test_gathering_stops_at_its_limit_and_when_only_gathered_tests_are_left() ->
     # The third one waiting made the first the head: some ran before the last budgeted.
     assert min(world.went[a] for a in alone) < max(world.went[b] for b in budgeted)
     assert sorted(alone, key=world.went.__getitem__) == alone  # still in their order
+
+
+def test_a_stop_that_a_decisions_report_causes_reaches_the_dispatcher() -> None:
+    """Found by the properties: two tests whose children could not start were reported
+    by the dispatcher's decisions (not by an event), and the second report stopped the
+    session (``--maxfail 2``). The simulator told the stop only after events, so the
+    dispatcher never heard it and kept the template it had started, waiting for tests
+    that could not come: a hang of the simulator, not of the driver, which queues the
+    stop as it replays the report."""
+
+    def spec(tid: str, template: str = "") -> Spec:
+        key = f"file{template or tid}"
+        test = ev.Test(tid, template=template, key=key, file=key)
+        return Spec(test, duration=0.0, boot=0.1, fate="start-fail")
+
+    settings = _settings(capacity=(("0", None),), per_gpu=1, jobs=1, lookahead=1, defer=True)
+    settings = replace(settings, boots=(("filet1", ""),))
+    result = World(settings, [spec("t0", "tpl x"), spec("t1")], maxfail=2).run()
+    assert result.stuck == []
+    assert result.ends == {"t0": ["report:START_FAILED"], "t1": ["report:START_FAILED"]}

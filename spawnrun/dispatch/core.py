@@ -201,11 +201,15 @@ class Dispatcher(Ends):
         return (
             test.need is ev.ALONE
             and self.wanted(test) > 0
-            # A scope's test only while its scope has no child (that child holds the
-            # scope's devices and runs its members in order).
-            and (not test.scope or self.scope_child(test.scope) is None)
+            # A scope's test only while its scope has no child holding devices (such
+            # a child runs the scope's members in order, on the devices it holds).
+            and (not test.scope or self._scope_holds_nothing(test.scope))
             and not entry.again  # it runs again at once, as its report says
         )
+
+    def _scope_holds_nothing(self, scope: str) -> bool:
+        child = self.scope_child(scope)
+        return child is None or self.waits_for_devices(child)
 
     def _gathers(self, entry: Entry) -> bool:
         """A test that needs its devices alone, which others hold now: it waits, passed

@@ -315,17 +315,24 @@ class World:
     # Effects -------------------------------------------------------------------------
 
     def _apply(self, actions: list[ev.Action]) -> None:
-        """Perform what the events caused, tell a stop, then perform the decisions."""
+        """Perform what the events caused, tell a stop, then perform the decisions; a
+        stop that a decision's report caused is told at once too, as the driver does
+        (it queues ``Stop`` as it replays the report that stopped the session)."""
         self._perform(actions)
+        self._tell_stop()
+        self._perform(self.d.step())
+        while self.told_now or self.stop_due:
+            self._tell_stop()
+            batch, self.told_now = self.told_now, []
+            if batch:
+                self._perform(self.d.handle(*batch))
+            self._perform(self.d.step())
+
+    def _tell_stop(self) -> None:
         if self.stop_due:
             why, after = self.stop_due
-            self._perform(self.d.handle(ev.Stop(self.now, why, after)))
             self.stop_due = None
-        self._perform(self.d.step())
-        while self.told_now:
-            batch, self.told_now = self.told_now, []
-            self._perform(self.d.handle(*batch))
-            self._perform(self.d.step())
+            self._perform(self.d.handle(ev.Stop(self.now, why, after)))
 
     def _perform(self, actions: list[ev.Action]) -> None:
         self.log.extend(actions)
