@@ -593,3 +593,26 @@ def test_a_stop_that_a_decisions_report_causes_reaches_the_dispatcher() -> None:
     result = World(settings, [spec("t0", "tpl x"), spec("t1")], maxfail=2).run()
     assert result.stuck == []
     assert result.ends == {"t0": ["report:START_FAILED"], "t1": ["report:START_FAILED"]}
+
+
+def test_a_scopes_alone_tests_are_gathered_while_its_child_boots_unclaimed() -> None:
+    """On the H200, fast mode's file templates (scopes) of exclusive tests were booted
+    ahead unclaimed, their file's boot known to make no context; a test of such a scope
+    was then the head, and each drained the device for itself (six drains in a
+    48-test suite). Gathered like any test that needs its device alone, they run after
+    the budgeted tests, in one drain."""
+    specs = []
+    for i in range(12):
+        specs.append(Spec(ev.Test(f"b{i}", need=2 * GiB, file="f.py"), duration=2.0))
+        if i % 4 == 3:
+            test = ev.Test(f"ex{i}", scope="template t.py", file="t.py", key="t.py")
+            specs.append(Spec(test, duration=0.3))
+    settings = _settings(defer=True, boots=(("t.py", ""), ("f.py", "")))
+    each, gathered = World(settings, specs), World(replace(settings, gather=32), specs)
+    first, second = each.run(), gathered.run()
+    for result in (first, second):
+        assert result.stuck == [] and result.ends == {s.test.id: ["replay"] for s in specs}
+    alone = [s.test.id for s in specs if s.test.scope]
+    budgeted = [s.test.id for s in specs if not s.test.scope]
+    assert min(gathered.went[a] for a in alone) >= max(gathered.went[b] for b in budgeted)
+    assert second.time < first.time, (first.time, second.time)

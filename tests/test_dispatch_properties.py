@@ -238,7 +238,7 @@ def test_the_generator_exercises_gathering() -> None:
     devices alone while their devices are busy (``Settings.gather``)."""
     gathered = []
 
-    @settings(max_examples=300, deadline=None, database=None)
+    @settings(max_examples=300, deadline=None, database=None, derandomize=True)
     @given(scenarios())
     def collect(world: World) -> None:
         if not world.settings.gather or world.settings.backfill:

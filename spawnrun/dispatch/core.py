@@ -166,9 +166,18 @@ class Dispatcher(Ends):
         if self.stopping and not self.stopped_after:
             return None, ""
         gathering = self._gathering()
-        for tid in list(self.queue):  # after a stop: the tests reached before its test
+        # How many tests that start by themselves (not gathered, of no scope: a scope's
+        # later test may wait for its earlier one) wait in the queue from each point on.
+        others = 0
+        behind = []
+        for tid in reversed(self.queue):
+            behind.append(others)
+            waiting = self.tests[tid]
+            others += not (self._gatherable(waiting) or waiting.test.scope)
+        behind.reverse()
+        for at, tid in enumerate(list(self.queue)):  # after a stop: reached before its test
             entry = self.tests[tid]
-            if gathering and self._gathers(entry):
+            if gathering and self._gathers(entry, behind[at] > 0):
                 entry.passed = True  # pytest goes on; it runs once its devices are empty
                 continue
             placed = self._place(entry)
@@ -211,15 +220,18 @@ class Dispatcher(Ends):
         child = self.scope_child(scope)
         return child is None or self.waits_for_devices(child)
 
-    def _gathers(self, entry: Entry) -> bool:
-        """A test that needs its devices alone, which others hold now: it waits, passed
-        over, while tests that fit run (each drain of a device serves several such
-        tests instead of one). Its own child booted ahead, if any, waits with it."""
-        if not self._gatherable(entry) or self.in_slot() >= self.settings.jobs:
+    def _gathers(self, entry: Entry, others_wait: bool) -> bool:
+        """A test that needs its devices alone, while others hold them or other tests
+        wait behind it: it waits, passed over, while those run (each drain of a device
+        serves several such tests instead of one, and a device that empties is filled by
+        tests that share it first). Its own child booted ahead, if any, waits with it."""
+        if not self._gatherable(entry):
             return False
         own = self.child_for(entry.test)
         if own is not None and own.devices and not self.waits_for_devices(own):
             return False  # booted holding its devices: it goes now
+        if others_wait:
+            return True
         among = self.bound_to(entry.test)
         return self.choose(entry.test, among=among) is None
 
