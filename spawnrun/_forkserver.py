@@ -25,6 +25,7 @@ import signal
 import time
 import types
 from collections.abc import Mapping
+from collections.abc import Set
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from spawnrun import _bytecode
+from spawnrun import _coverage
 from spawnrun import _learned
 from spawnrun import _probe
 from spawnrun import _protocol as proto
@@ -40,6 +42,7 @@ from spawnrun import _runner
 from spawnrun import _settings
 from spawnrun._libraries import is_library
 from spawnrun._libraries import library_modules
+from spawnrun._libraries import project_dirs
 
 #: How long the template may take to import what it is told (all of it, rebuilds too).
 BOOT_LIMIT = 600.0
@@ -299,14 +302,17 @@ class ZygoteHolder:
             self._turn_off(config, f"the template could not be started ({exc!r})")
             return None
 
-    def collected(self) -> None:
-        """Collection is done: preload the libraries it imported."""
+    def collected(self, test_files: Set[Path] = frozenset()) -> None:
+        """Collection is done: preload the libraries it imported, and the project's own
+        packages below the rootdir (not where coverage measures children: what the
+        template imports, a child's measurement would not see run)."""
         if self.zygote is None or self.off:
             return
         known = {*self.base, *self.optional}
+        project = () if _coverage.parent_config() else project_dirs(self.rootdir, test_files)
         auto = [
             m
-            for m in library_modules(self.rootdir)
+            for m in library_modules(self.rootdir, project)
             if m not in known and self._may_preload(m) and _top(m) not in self.excluded
         ]
         self.optional += auto

@@ -374,7 +374,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _bytecode.stop()  # the tests see bytecode settings as they were
     holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
-        holder.collected()  # preload in the template what collection imported
+        # Preload in the template what collection imported.
+        holder.collected({Path(str(item.path)).resolve() for item in session.items})
     if scheduler is not None:
         # Once the zygote forks what collection imported: children may boot ahead now.
         scheduler.suite([(it, _plan_of(it)) for it in session.items if _spawns(it)])

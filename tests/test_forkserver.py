@@ -8,6 +8,7 @@ spawns) when something in the template itself is unsafe to fork.
 from __future__ import annotations
 
 import json
+import textwrap
 import time
 
 import pytest
@@ -514,6 +515,46 @@ def test_libraries_tests_imported_are_preloaded_on_the_next_run(pytester, monkey
     assert seen[1] == [[False, True], [False, True]]  # heavylib came with the template
     preloads = json.loads((pytester.path / ".pytest_cache/v/spawnrun/preloads").read_text())
     assert preloads == ["heavylib", "threadlib"]
+
+
+@pytest.mark.parametrize("cov", [[], ["--cov=mypkg", "--cov-report="]], ids=["plain", "cov"])
+def test_the_projects_own_package_below_the_rootdir_is_preloaded(pytester, cov):
+    """timm's, kornia's and vLLM's suites run from their checkout: the package under test
+    lies below the rootdir, beside ``tests/``, and the template never preloaded it, so
+    each fork imported it again (timm's layer tests on the H200: over 0.5 s per test,
+    one after another). Now the project's folders that hold no test file and no conftest
+    are preloaded like a library; the suite's own modules (a helper beside the tests)
+    still are not, nor is the project where coverage measures children (a fork's
+    measurement would miss what ran at import in the template)."""
+    record = "import os\nIMPORTED_IN = os.getpid()\n"
+    pkg = pytester.mkpydir("mypkg")
+    (pkg / "core.py").write_text(record)
+    tests = pytester.mkpydir("tests")
+    (tests / "helper.py").write_text(record)
+    (tests / "conftest.py").write_text("")
+    (tests / "test_mine.py").write_text(
+        textwrap.dedent(
+            """
+            import json, os
+            import pytest
+            import mypkg.core
+            from tests import helper
+
+            @pytest.mark.gpu
+            @pytest.mark.parametrize("x", [1, 2])
+            def test_x(x):
+                mine = [m.IMPORTED_IN == os.getpid() for m in (mypkg.core, helper)]
+                with open(f"where{x}.json", "w") as f:
+                    json.dump(mine, f)
+            """
+        )
+    )
+    args = ["-p", "no:cacheprovider", "--spawn-method", "forkserver", "--spawn-template"]
+    result = pytester.runpytest_subprocess(*args, "library", *cov)
+    result.assert_outcomes(passed=2)
+    seen = [json.loads((pytester.path / f"where{x}.json").read_text()) for x in (1, 2)]
+    # Each fork imported the helper itself; the package came with the template.
+    assert seen == ([[True, True]] * 2 if cov else [[False, True]] * 2)
 
 
 EXIT_LIB = """
