@@ -71,6 +71,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     opts = parser.parse_args()
     root = opts.root.resolve()
+    configs = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
+    if not any((root / name).exists() for name in configs):
+        # pytest would look further up for one, and run the project's tests under
+        # another project's settings (filterwarnings = error, say).
+        parser.error(f"{root} has no pytest configuration of its own: carry the project's")
     shutil.rmtree(root / ".pytest_cache", ignore_errors=True)
     if opts.logs:
         opts.logs.mkdir(parents=True, exist_ok=True)
@@ -81,9 +86,8 @@ def main() -> None:
         slug = label.replace(" ", "").replace(",", "_")
         log = opts.logs / f"{slug}.txt" if opts.logs else None
         print(f"{label}:", flush=True)
-        results[label] = run(
-            root, [*opts.paths, *extra], root / f"{slug}.xml", opts.run_timeout, log
-        )
+        args = [*opts.paths, f"--rootdir={root}", *extra]
+        results[label] = run(root, args, root / f"{slug}.xml", opts.run_timeout, log)
     plain = results["plain"]
     print(f"\n{len(plain['outcomes'])} test ids")
     print(f"  {'run':18} {'wall':>7} {'vs plain':>9}  differing ids")

@@ -1,9 +1,10 @@
 # On the GPU host (nvidia-h200, one H200): issue 25's third-party target. timm's own layer
 # tests (tests/test_layers*.py; test_layers.py asks torch.cuda.is_available() while pytest
 # collects) on CUDA (TORCH_DEVICE=cuda), from a carried checkout of
-# huggingface/pytorch-image-models (its timm package and tests, in .thirdparty/timm, which
-# git ignores: carry it), plain, then spawnrun fast mode with --spawn-gpu twice, pytest's
-# cache kept; per-id outcomes compared with plain's. About 3 minutes.
+# huggingface/pytorch-image-models: its timm package, tests and pyproject.toml (whose
+# pytest settings apply) in .thirdparty/timm, which git ignores: carry it. Plain, then
+# spawnrun fast mode with --spawn-gpu twice, pytest's cache kept; per-id outcomes
+# compared with plain's. About 3 minutes.
 # Output: $OUT/timm.txt, $OUT/timm.json, logs in $OUT/timm_logs.
 test -d .thirdparty/timm/tests || { echo "carry .thirdparty/timm"; exit 1; }
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site . \
