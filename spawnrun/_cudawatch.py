@@ -61,6 +61,10 @@ def check(config: pytest.Config) -> None:
     runtime = _probe.device_runtime()
     if not runtime:
         return
+    if _probe.boot_touch() == "driver":
+        # cuInit alone (kornia's and timm's collection ask torch.cuda.is_available()):
+        # no context, no device memory, and spawnrun never forks this process.
+        return
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     _warned = True
     filename, lineno = "", 0  # unknown: the warning points at spawnrun's own code

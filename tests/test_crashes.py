@@ -1160,3 +1160,23 @@ def test_a_child_that_boots_unclaimed_is_under_the_boot_limit_at_its_turn(pytest
     result.assert_outcomes(passed=1, errors=2)
     booting = "setup (while the child booted: spawnrun's boot limit)"
     result.stdout.fnmatch_lines([f"{_reports.TIMEOUT} (>0.5 s) during {booting}"] * 2)
+
+
+@pytest.mark.parametrize("touched, warned", [("driver", 0), ("context", 1)])
+def test_the_driver_alone_initialized_in_the_parent_gets_no_warning(
+    pytester, monkeypatch, touched, warned
+):
+    """kornia's and timm's collection ask ``torch.cuda.is_available()``: the CUDA driver
+    is initialized in the parent (``cuInit``) but no context is made and no memory held,
+    and spawnrun never forks the parent; the warning that said it held "its context
+    (typically 500 MiB or more)" came on every run of such a suite. A context still
+    gets it. (The driver is asked of libcuda, which CI has not: the probe is set here.)"""
+    from spawnrun import _cudawatch
+    from spawnrun import _probe
+
+    monkeypatch.setattr(_probe, "cuda_driver_initialized", lambda: True)
+    monkeypatch.setattr(_probe, "boot_touch", lambda: touched)
+    monkeypatch.setattr(_cudawatch, "_warned", False)
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu(count=0)\ndef test_x():\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, warnings=warned)
