@@ -56,15 +56,12 @@ def check(config: pytest.Config) -> None:
     global _warned
     if _warned:
         return
-    # torch's own flag, or the driver itself: torch.cuda.is_available() runs cuInit
-    # (and holds the driver) without making torch "initialized".
+    # A context: torch's own flag, or one the driver holds. Not cuInit alone (kornia's
+    # and timm's collection ask torch.cuda.is_available()): no context, no device
+    # memory, and spawnrun never forks this process.
+    if _probe.boot_touch() != "context":
+        return
     runtime = _probe.device_runtime()
-    if not runtime:
-        return
-    if _probe.boot_touch() == "driver":
-        # cuInit alone (kornia's and timm's collection ask torch.cuda.is_available()):
-        # no context, no device memory, and spawnrun never forks this process.
-        return
     cuda = getattr(sys.modules.get("torch"), "cuda", None)
     _warned = True
     filename, lineno = "", 0  # unknown: the warning points at spawnrun's own code

@@ -28,8 +28,8 @@ def project_dirs(rootdir: Path, test_files: Set[Path]) -> tuple[Path, ...]:
     this process loaded (``kornia/`` and ``timm/`` beside their ``tests/``)."""
     tops: set[Path] = set()
     suite: set[Path] = set()
-    for path in test_files:
-        top = _top_below(path, rootdir)
+    for test_file in test_files:
+        top = _top_below(test_file.resolve(), rootdir)
         if top is not None:
             suite.add(top)
     for module in list(sys.modules.values()):
@@ -51,10 +51,11 @@ def project_dirs(rootdir: Path, test_files: Set[Path]) -> tuple[Path, ...]:
 
 
 def _top_below(path: Path, rootdir: Path) -> Path | None:
-    """The folder right below ``rootdir`` that holds ``path`` (None: it is not in one)."""
+    """The folder right below ``rootdir`` that holds the resolved ``path`` (None: it is
+    not in one)."""
     try:
-        parts = path.resolve().relative_to(rootdir).parts
-    except (OSError, ValueError):
+        parts = path.relative_to(rootdir).parts
+    except ValueError:
         return None
     return rootdir / parts[0] if len(parts) > 1 else None
 

@@ -375,7 +375,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         # Preload in the template what collection imported.
-        holder.collected({Path(str(item.path)).resolve() for item in session.items})
+        holder.collected({Path(str(item.path)) for item in session.items})
     if scheduler is not None:
         # Once the zygote forks what collection imported: children may boot ahead now.
         scheduler.suite([(it, _plan_of(it)) for it in session.items if _spawns(it)])
@@ -428,24 +428,21 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
         f"at most {scheduler.allocator.per_gpu} per GPU; packing {settings.pack}; "
         f"children {'forked from templates (fast mode)' if fast else 'spawned'}",
     ]
-    backfill = scheduler.backfill()
-    header.append(
-        f"spawnrun: backfilling {'on' if backfill else 'off'} "
-        + (
-            "(by the durations earlier runs recorded)"
-            if backfill
-            else "(no duration recorded yet, one job at a time, or under xdist)"
-        )
-    )
-    gather = scheduler.gather()
-    header.append(
-        f"spawnrun: gathering {'on' if gather else 'off'} "
-        + (
-            f"(up to {gather} tests that need their GPUs alone wait for one drain)"
-            if gather
-            else "(one job at a time, under xdist, or a failure stops the session)"
-        )
-    )
+    backfill, gather = scheduler.backfill(), scheduler.gather()
+    header += [
+        _on_off(
+            "backfilling",
+            backfill,
+            "by the durations earlier runs recorded",
+            "no duration recorded yet, one job at a time, or under xdist",
+        ),
+        _on_off(
+            "gathering",
+            gather,
+            f"up to {gather} tests that need their GPUs alone wait for one drain",
+            "one job at a time, under xdist, or a failure stops the session",
+        ),
+    ]
     durations = scheduler.durations if backfill else None
     text = _explain.lines(session.items, settings, dict(_boots.load(config)), header, durations)
     if reporter is not None:
@@ -453,6 +450,11 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
         for line in text:
             reporter.write_line(line)
     return True
+
+
+def _on_off(mechanism: str, on: int, why_on: str, why_off: str) -> str:
+    """``--spawn-explain``'s line for a scheduling mechanism the run may turn off."""
+    return f"spawnrun: {mechanism} {'on' if on else 'off'} ({why_on if on else why_off})"
 
 
 class _Spawns:

@@ -149,8 +149,9 @@ class Dispatcher(Ends):
             if head is None or booting or self.in_slot() >= self.settings.jobs:
                 # Every slot taken is progress that frees one: the tests that wait for
                 # it boot meanwhile (their claims are preempted if the head needs them).
-                # So is a head whose own child boots.
-                self._boot_ahead(waiting=head is not None or bool(self.queue))
+                # So is a head whose own child boots. (A head is in the queue; so are
+                # tests passed over by gathering, which boot ahead too.)
+                self._boot_ahead(waiting=bool(self.queue))
             if head is None or booting:
                 return
             if live.can_move(self, head):
@@ -165,19 +166,10 @@ class Dispatcher(Ends):
         ("blocked": for a slot or devices; "booting": for its own child's boot)."""
         if self.stopping and not self.stopped_after:
             return None, ""
-        gathering = self._gathering()
-        # How many tests that start by themselves (not gathered, of no scope: a scope's
-        # later test may wait for its earlier one) wait in the queue from each point on.
-        others = 0
-        behind = []
-        for tid in reversed(self.queue):
-            behind.append(others)
-            waiting = self.tests[tid]
-            others += not (self._gatherable(waiting) or waiting.test.scope)
-        behind.reverse()
+        behind = self._others_behind()
         for at, tid in enumerate(list(self.queue)):  # after a stop: reached before its test
             entry = self.tests[tid]
-            if gathering and self._gathers(entry, behind[at] > 0):
+            if behind is not None and self._gathers(entry, behind[at] > 0):
                 entry.passed = True  # pytest goes on; it runs once its devices are empty
                 continue
             placed = self._place(entry)
@@ -193,17 +185,24 @@ class Dispatcher(Ends):
                 return tid, placed
         return None, ""
 
-    def _gathering(self) -> bool:
-        """Whether tests that need their devices alone are passed over while their
-        devices are busy (``Settings.gather``): not once the session stops, not past the
-        limit of such tests waiting, and not once pytest reached its last test with
-        nothing but them left to start (then one drain serves them all)."""
+    def _others_behind(self) -> list[int] | None:
+        """For each queued test, how many tests that start by themselves (not gathered,
+        of no scope: a scope's later test may wait for its earlier one) wait behind it;
+        None: nothing is gathered now (``Settings.gather``). Not once the session stops,
+        not past the limit of such tests waiting, and not once pytest reached its last
+        test with nothing but them left to start (then one drain serves them all)."""
         if not self.settings.gather or self.stopping:
-            return False
-        alone = [t for t in self.queue if self._gatherable(self.tests[t])]
-        if len(alone) > self.settings.gather:
-            return False
-        return not self.last or len(alone) < len(self.queue)
+            return None
+        gatherable = [self._gatherable(self.tests[t]) for t in self.queue]
+        alone = sum(gatherable)
+        if alone > self.settings.gather or (self.last and alone == len(self.queue)):
+            return None
+        others, behind = 0, []
+        for tid, gathered in zip(reversed(self.queue), reversed(gatherable), strict=True):
+            behind.append(others)
+            others += not (gathered or self.tests[tid].test.scope)
+        behind.reverse()
+        return behind
 
     def _gatherable(self, entry: Entry) -> bool:
         test = entry.test
