@@ -124,11 +124,13 @@ def _split_templates(
     """Each template becomes as many as its tests can run at once.
 
     Tests of one template run one after another; with several templates they still run
-    side by side, as many as the job limit (and, for tests on devices, the devices)
-    allow. A file's template is split round robin; the run's (``--spawn-template run``)
-    in runs of consecutive tests, so that each collects only the files of its share. A
-    template that would fork one test only costs a fork more than a child of its own:
-    such a test has none.
+    side by side, as many as the job limit (and, for tests alone on devices, the
+    devices) allow: tests with a budget (``--spawn-gpu``'s, which hold every device)
+    get as many as the job limit, and the dispatcher packs each fork's claim. A file's
+    template is split round robin; the run's (``--spawn-template run``) in runs of
+    consecutive tests, so that each collects only the files of its share. A template
+    that would fork one test only costs a fork more than a child of its own: such a
+    test has none.
     """
     split: dict[str, list[pytest.Item]] = {}
     for key, tests in members.items():
@@ -136,7 +138,9 @@ def _split_templates(
             split[key] = tests
             continue
         plan = tests[0].stash[PLAN_KEY]
-        if plan.every and gpus:
+        if plan.need is not _packing.ALONE:
+            at_once = limit  # budgets: each fork's claim is packed as a child's would be
+        elif plan.every and gpus:
             at_once = 1  # it holds every device
         else:
             at_once = gpus // plan.count if plan.count else limit
@@ -160,8 +164,8 @@ def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
 
     One per file and need (``--spawn-template run``: one per need for the run's files):
     its tests run one after another, each in a fork of the process that collected their
-    files. Tests with a memory budget keep children of their own, which may run side by
-    side on a device.
+    files. Marked tests with a memory budget keep children of their own, which may run
+    side by side on a device.
     """
     if settings.method != "forkserver" or settings.template == "library":
         return ""

@@ -209,12 +209,19 @@ def test_unmarked_tests_under_spawn_gpu_hold_every_device(pytester, stamps, args
     assert bool(overlapping(seen, "b")) is shared, seen
 
 
-@pytest.mark.parametrize("measured", [True, False], ids=["torch-measured", "unmeasured"])
-def test_learned_budgets_pack_tests_on_the_second_run(pytester, stamps, measured):
+@pytest.mark.parametrize(
+    "measured, unmarked",
+    [(True, False), (False, False), (True, True)],
+    ids=["torch-measured", "unmeasured", "spawn-gpu-fast"],
+)
+def test_learned_budgets_pack_tests_on_the_second_run(pytester, stamps, measured, unmarked):
     """A peak torch measured (a fake torch: 5 MiB reserved) packs the tests on the
     second run. Where nothing could measure one (no torch view, no NVML here), nothing is
     learned: the second run keeps them alone (it learned a peak of 0 and shared them on a
-    256 MiB budget, which a JAX test could overrun)."""
+    256 MiB budget, which a JAX test could overrun). Unmarked tests under --spawn-gpu in
+    fast mode too: a file's template forks them, and the second run's file had one
+    template only (one way per device, as for tests alone), which ran them one after
+    another within their budgets (timm's own tests on the H200, run 37)."""
     if measured:
         write_fake_torch(pytester)
     use = "import torch\n                torch.cuda.init()\n" if measured else ""
@@ -225,7 +232,7 @@ def test_learned_budgets_pack_tests_on_the_second_run(pytester, stamps, measured
             from stamping import stamp
 
             @pytest.mark.parametrize("i", range(4))
-            @pytest.mark.gpu
+            {"" if unmarked else "@pytest.mark.gpu"}
             def test_it(i):
                 {use}
                 stamp(f"t{{i}}")
@@ -233,6 +240,8 @@ def test_learned_budgets_pack_tests_on_the_second_run(pytester, stamps, measured
         )
     )
     args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-pack", "auto"]
+    if unmarked:
+        args += ["--spawn-gpu", "--spawn-method", "forkserver", "--spawn-jobs", "4"]
     first = pytester.runpytest_subprocess(*args)
     first.assert_outcomes(passed=4)
     first.stdout.fnmatch_lines(["packing: 0 shared a GPU*; 4 ran alone (no peak recorded yet: 4)"])
