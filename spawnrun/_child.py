@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 import types
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import IO
@@ -31,6 +32,7 @@ from typing import NoReturn
 
 import pytest
 
+from spawnrun import _availability
 from spawnrun import _budget
 from spawnrun import _bytecode
 from spawnrun import _coverage
@@ -72,6 +74,7 @@ def main(
     _budget.install()
     relay = isolate(spec, conn, parent)
     os.chdir(spec.invocation_dir)
+    relay.collected = _availability.while_collecting(spec.cuda_available)
     try:
         config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.args])
         # The conftests are loaded now: values of their types decode to their classes.
@@ -219,6 +222,8 @@ class _Relay:
         self.sink: _Sink | None = None
         #: The modules the process had once booted (None: not booted).
         self.boot_modules: frozenset[str] | None = None
+        #: Undoes what only its collection was to see (``_availability``).
+        self.collected: Callable[[], None] = lambda: None
 
     def send(self, msg: proto.Message) -> None:
         # Plain data only, whatever the test put in it (a tensor, an instance of a class
@@ -366,6 +371,7 @@ class _Relay:
     def serve(self, session: Any) -> None:
         """Find the test, say so, wait for the go, run it."""
         _bytecode.stop()  # collected: the test sees bytecode settings as the parent has
+        self.collected()  # and the environment it was given
         waited = 0.0
         if not self.spec.nodeid:  # started early, before the parent had collected its test
             since = time.monotonic()

@@ -84,6 +84,9 @@ class ChildSpec:
     #: A template of its file (fast mode): it runs none of them itself but forks, per
     #: test, a fresh process from what it collected, where that is safe.
     fork_each: bool = False
+    #: The parent's collection found CUDA available (``_availability``): the child
+    #: answers ``torch.cuda.is_available()`` so while it collects, not the driver.
+    cuda_available: bool = False
     protocol: int = PROTOCOL_VERSION
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 
 from spawnrun import CHILD_ENV
+from spawnrun import _availability
 from spawnrun import _coverage
 from spawnrun import _devices
 from spawnrun import _forkserver
@@ -160,6 +161,7 @@ def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> pro
         late_options=run.late_options,
         junit_family=run.junit_family,
         coverage=run.coverage,
+        cuda_available=_availability.in_parent(),
         **test,
     )
 

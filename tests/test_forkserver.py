@@ -632,3 +632,88 @@ def test_pytests_own_plugins_for_the_template_are_those_the_parent_loaded(pytest
     names = _forkserver.pytest_modules(config)
     assert {"_pytest.python", "_pytest.skipping", "_pytest.debugging", "pdb"} <= set(names)
     assert "_pytest.junitxml" not in names
+
+
+@pytest.mark.parametrize("found", [True, False], ids=["parent-found-cuda", "parent-did-not"])
+def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects(pytester, found):
+    """A conftest or test module that asks ``torch.cuda.is_available()`` while pytest
+    collects initializes the CUDA driver in the file's template, which can then fork
+    none of its tests (timm's test_layers.py, kornia's conftest). Where the parent's own
+    collection found CUDA, a forked child answers it from that finding while it
+    collects, for the devices it sees, and torch answers again before any test runs.
+    (CI has no CUDA: the parent's finding is set by the inner conftest, and torch's own
+    answer is False.)"""
+    pytester.makeconftest(
+        RECORD_PARENT
+        + "from spawnrun import _availability\n"
+        + f"_availability.in_parent = lambda: {found}\n"
+    )
+    pytester.makepyfile(
+        test_x="""
+        import json, os
+        import pytest
+        import torch
+
+        AT_COLLECTION = torch.cuda.is_available()
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_x(x):
+            with open(f"where{x}.json", "w") as f:
+                json.dump([os.getpid(), os.getppid()], f)
+            with open(f"answers{x}.json", "w") as f:
+                json.dump([AT_COLLECTION, torch.cuda.is_available()], f)
+        """
+    )
+    result = _run_fast(pytester, "--spawn-jobs", "1", "--spawn-preload", "torch")
+    result.assert_outcomes(passed=2)
+    answers = [json.loads((pytester.path / f"answers{x}.json").read_text()) for x in (1, 2)]
+    assert answers == [[found, False]] * 2  # torch's own: no CUDA on this machine
+    assert _forked(pytester, 2)
+
+
+@pytest.mark.parametrize(
+    "visible, sees",
+    [(None, True), ("0", True), ("1,0", True), ("GPU-5b1e", True), ("MIG-1a", True),
+     ("", False), ("-1", False), ("none", False), ("-1,0", False)],
+)  # fmt: skip
+def test_is_available_while_collecting_is_the_parents_for_the_devices_seen(visible, sees):
+    from spawnrun import _availability
+
+    assert _availability.sees_a_device(visible) is sees
+
+
+@pytest.mark.parametrize(
+    "touched, available, expected",
+    [
+        ("", True, False),  # nobody asked: asking would initialize the driver
+        ("driver", True, True),
+        ("driver", False, False),
+    ],
+)
+def test_the_parents_finding_is_asked_only_once_the_driver_is_initialized(
+    monkeypatch, touched, available, expected
+):
+    import sys
+    import types
+
+    from spawnrun import _availability
+    from spawnrun import _probe
+
+    asked = []
+
+    def is_available():
+        asked.append(1)
+        return available
+
+    torch = types.SimpleNamespace(
+        cuda=types.SimpleNamespace(is_available=is_available),
+        version=types.SimpleNamespace(cuda="12.8"),
+    )
+    monkeypatch.setitem(sys.modules, "torch", torch)
+    monkeypatch.setattr(_availability, "_parent", None)
+    monkeypatch.setattr(_probe, "boot_touch", lambda: touched)
+    assert _availability.in_parent() is expected
+    assert len(asked) == (1 if touched else 0)
+    _availability.in_parent()  # known once asked: asked once
+    assert len(asked) == (1 if touched else 0)

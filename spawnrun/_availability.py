@@ -1,0 +1,82 @@
+"""``torch.cuda.is_available()`` while a child collects, without initializing the driver.
+
+A conftest or test module that asks ``torch.cuda.is_available()`` at import (kornia's
+conftest, timm's ``skipif`` decorators) runs ``cuInit``: no context, no memory, but a
+process that did it cannot be forked for its tests (a fork's CUDA fails), so every test
+of such a file collected it in a child of its own. torch's own fork-safe check
+(``PYTORCH_NVML_BASED_CUDA_CHECK=1``) asks NVML instead, which starts a thread of the
+driver's in the process (seen on the H200, run 37): no more forkable either.
+
+The parent knows the answer: where its own collection asked (torch imported, the
+driver already initialized there, so asking again costs nothing), ``in_parent`` says
+whether CUDA was available. A child forked from the library template (torch already
+imported) then answers ``torch.cuda.is_available()`` itself while it configures pytest
+and collects (``while_collecting``): the parent's finding, for the devices the child
+sees (``CUDA_VISIBLE_DEVICES``: none, hidden, or at least one, which is CUDA's answer on
+a machine where CUDA works). The original is back before anything else runs: the
+test, and every process forked from a template, ask CUDA itself. Where the parent found
+no CUDA, or never asked, nothing changes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from spawnrun import _probe
+
+_parent: bool | None = None
+
+
+def in_parent() -> bool:
+    """Whether the parent's collection asked torch and CUDA was available (False: not
+    known yet, or not). Never initializes the driver: asked only once it is."""
+    global _parent
+    if _parent is not None:
+        return _parent
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    if cuda is None or not getattr(getattr(torch, "version", None), "cuda", None):
+        return False  # no torch yet (it may come), or a build without CUDA
+    if _probe.boot_touch() == "":
+        return False  # nobody asked yet: asking now would initialize the driver
+    try:
+        _parent = bool(cuda.is_available())
+    except Exception:  # noqa: BLE001 - an answer we cannot get is no answer
+        _parent = False
+    return _parent
+
+
+def while_collecting(parent_found: bool) -> Callable[[], None]:
+    """Answer ``torch.cuda.is_available()`` from the parent's finding until the result
+    is called (then torch's own again)."""
+    cuda: Any = getattr(sys.modules.get("torch"), "cuda", None)
+    original = getattr(cuda, "is_available", None)
+    if not parent_found or original is None:
+        return lambda: None
+
+    def is_available() -> bool:
+        return sees_a_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+    is_available.__doc__ = original.__doc__
+    cuda.is_available = is_available
+
+    def restore() -> None:
+        if cuda.is_available is is_available:
+            cuda.is_available = original
+
+    return restore
+
+
+def sees_a_device(visible: str | None) -> bool:
+    """Whether CUDA lists a device for this ``CUDA_VISIBLE_DEVICES``, on a machine
+    where it lists some: unset, or a first entry that is an index or a UUID (CUDA stops
+    at the first entry it cannot read: "", "-1" and "none" hide every device)."""
+    if visible is None:
+        return True
+    first = visible.split(",")[0].strip()
+    if first.startswith(("GPU-", "MIG-")):
+        return True
+    return first.isdigit()
