@@ -25,7 +25,34 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
+def driver_child(write_fd: int, reset: bool) -> None:
+    """The driver alone (no torch, no CUDA runtime): cuInit, the primary context, one
+    allocation; where the time goes that torch's own start adds to it."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    start = time.perf_counter()
+    device, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+    assert cuda.cuInit(0) == 0
+    assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+    assert cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device) == 0
+    assert cuda.cuCtxSetCurrent(ctx) == 0
+    created = time.perf_counter()
+    assert cuda.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(1 << 20)) == 0
+    assert cuda.cuCtxSynchronize() == 0
+    worked = time.perf_counter()
+    if reset:
+        cuda.cuMemFree_v2(ptr)
+        cuda.cuDevicePrimaryCtxRelease_v2(device)
+        cuda.cuDevicePrimaryCtxReset_v2(device)
+    freed = time.perf_counter()
+    os.write(write_fd, json.dumps([created - start, worked - created, freed - worked]).encode())
+    os._exit(0)
+
+
 def child(write_fd: int, reset: bool) -> None:
+    if DRIVER_ONLY:
+        driver_child(write_fd, reset)
     import torch
 
     from spawnrun import _probe
@@ -42,6 +69,9 @@ def child(write_fd: int, reset: bool) -> None:
     freed = time.perf_counter()
     os.write(write_fd, json.dumps([created - start, worked - created, freed - worked]).encode())
     os._exit(0)
+
+
+DRIVER_ONLY = False
 
 
 def level(n: int, at_once: int, reset: bool) -> dict[str, float]:
@@ -83,7 +113,14 @@ def main() -> None:
     parser.add_argument("--at-once", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--no-reset", action="store_true", help="exit without freeing first")
     parser.add_argument("--out", help="JSON results")
+    parser.add_argument(
+        "--driver-only",
+        action="store_true",
+        help="the driver's own context (ctypes, no torch): cuInit, primary context, 1 MiB",
+    )
     opts = parser.parse_args()
+    global DRIVER_ONLY
+    DRIVER_ONLY = opts.driver_only
     import torch  # in the template, before any fork; CUDA stays uninitialized
 
     assert not torch.cuda.is_initialized()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -40,13 +41,15 @@ def outcomes(xml: Path) -> dict[str, str]:
     return found
 
 
-def run(root: Path, args: list[str], xml: Path, limit: float, log: Path | None) -> dict:
+def run(root: Path, args: list[str], xml: Path, limit: float, log: Path | None, label: str) -> dict:
     command = [sys.executable, "-m", "pytest", *args, f"--junitxml={xml}", "-q"]
     print(f"  $ {shlex.join(command[1:])}", flush=True)
+    # Which run this is, for a plugin given with --pytest-args that records per run.
+    env = {**os.environ, "BENCH_RUN": label}
     start = time.monotonic()
     try:
         done = subprocess.run(
-            command, cwd=root, capture_output=True, text=True, timeout=limit, check=False
+            command, cwd=root, capture_output=True, text=True, timeout=limit, check=False, env=env
         )
         code, text = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as exc:
@@ -65,6 +68,9 @@ def main() -> None:
     parser.add_argument("paths", nargs="+", help="test paths or ids, relative to --root")
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--spawn-args", default="--spawn-method forkserver --spawn-gpu")
+    parser.add_argument(
+        "--pytest-args", default="", help="given to every run, plain too (-p a_plugin, -k ...)"
+    )
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--run-timeout", type=float, default=150)
     parser.add_argument("--logs", type=Path)
@@ -86,8 +92,8 @@ def main() -> None:
         slug = label.replace(" ", "").replace(",", "_")
         log = opts.logs / f"{slug}.txt" if opts.logs else None
         print(f"{label}:", flush=True)
-        args = [*opts.paths, f"--rootdir={root}", *extra]
-        results[label] = run(root, args, root / f"{slug}.xml", opts.run_timeout, log)
+        args = [*opts.paths, f"--rootdir={root}", *shlex.split(opts.pytest_args), *extra]
+        results[label] = run(root, args, root / f"{slug}.xml", opts.run_timeout, log, slug)
     plain = results["plain"]
     print(f"\n{len(plain['outcomes'])} test ids")
     print(f"  {'run':18} {'wall':>7} {'vs plain':>9}  differing ids")
