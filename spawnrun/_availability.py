@@ -57,13 +57,18 @@ def while_collecting(parent_found: bool) -> Callable[[], None]:
     if not parent_found or original is None:
         return lambda: None
 
+    collecting = [True]
+
     def is_available() -> bool:
-        return sees_a_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if collecting[0]:
+            return sees_a_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return bool(original())  # held by name (``from torch.cuda import ...``): torch's
 
     is_available.__doc__ = original.__doc__
     cuda.is_available = is_available
 
     def restore() -> None:
+        collecting[0] = False
         if cuda.is_available is is_available:
             cuda.is_available = original
 

@@ -653,6 +653,7 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
         import json, os
         import pytest
         import torch
+        from torch.cuda import is_available
 
         AT_COLLECTION = torch.cuda.is_available()
 
@@ -662,13 +663,14 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
             with open(f"where{x}.json", "w") as f:
                 json.dump([os.getpid(), os.getppid()], f)
             with open(f"answers{x}.json", "w") as f:
-                json.dump([AT_COLLECTION, torch.cuda.is_available()], f)
+                json.dump([AT_COLLECTION, torch.cuda.is_available(), is_available()], f)
         """
     )
     result = _run_fast(pytester, "--spawn-jobs", "1", "--spawn-preload", "torch")
     result.assert_outcomes(passed=2)
     answers = [json.loads((pytester.path / f"answers{x}.json").read_text()) for x in (1, 2)]
-    assert answers == [[found, False]] * 2  # torch's own: no CUDA on this machine
+    # Then torch's own (no CUDA on this machine), also where held by name.
+    assert answers == [[found, False, False]] * 2
     assert _forked(pytester, 2)
 
 
