@@ -38,6 +38,7 @@ from spawnrun import _bytecode
 from spawnrun import _coverage
 from spawnrun import _forksafe
 from spawnrun import _libraries
+from spawnrun import _metadata
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
@@ -74,7 +75,10 @@ def main(
     _budget.install()
     relay = isolate(spec, conn, parent)
     os.chdir(spec.invocation_dir)
-    relay.collected = _availability.while_collecting(spec.cuda_available)
+    relay.undo = [
+        _availability.while_collecting(spec.cuda_available),
+        _metadata.while_configuring(),
+    ]
     try:
         config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.args])
         # The conftests are loaded now: values of their types decode to their classes.
@@ -222,8 +226,9 @@ class _Relay:
         self.sink: _Sink | None = None
         #: The modules the process had once booted (None: not booted).
         self.boot_modules: frozenset[str] | None = None
-        #: Undoes what only its collection was to see (``_availability``).
-        self.collected: Callable[[], None] = lambda: None
+        #: Undo what only its configuration and collection may see (``_availability``,
+        #: ``_metadata``), before the test runs.
+        self.undo: list[Callable[[], None]] = []
 
     def send(self, msg: proto.Message) -> None:
         # Plain data only, whatever the test put in it (a tensor, an instance of a class
@@ -371,7 +376,8 @@ class _Relay:
     def serve(self, session: Any) -> None:
         """Find the test, say so, wait for the go, run it."""
         _bytecode.stop()  # collected: the test sees bytecode settings as the parent has
-        self.collected()  # and the environment it was given
+        for undo in self.undo:  # and torch and importlib as they are
+            undo()
         waited = 0.0
         if not self.spec.nodeid:  # started early, before the parent had collected its test
             since = time.monotonic()

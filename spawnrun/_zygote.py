@@ -37,6 +37,7 @@ import pytest
 
 from spawnrun import _child
 from spawnrun import _leave
+from spawnrun import _metadata
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun._forksafe import unsafe_state
@@ -162,6 +163,7 @@ class _Template:
                     culprit = top
                     now = {m.partition(".")[0] for m in sys.modules}
                     suspects = sorted({top} | (now - before))
+        _metadata.snapshot()  # each fork's pytest reads the installed packages from it
         # What the template imported lives as long as it does: keep the collector off it,
         # so children neither scan it (pytest's final collections took ~0.3 s with torch)
         # nor copy its pages by touching object headers (the pre-fork idiom gc.freeze is

@@ -641,6 +641,7 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
     none of its tests (timm's test_layers.py, kornia's conftest). Where the parent's own
     collection found CUDA, a forked child answers it from that finding while it
     collects, for the devices it sees, and torch answers again before any test runs.
+    So with the installed packages' metadata, which the library template read once.
     (CI has no CUDA: the parent's finding is set by the inner conftest, and torch's own
     answer is False.)"""
     pytester.makeconftest(
@@ -652,10 +653,12 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
         test_x="""
         import json, os
         import pytest
+        import importlib.metadata
         import torch
         from torch.cuda import is_available
 
         AT_COLLECTION = torch.cuda.is_available()
+        READ_AT_COLLECTION = type(next(iter(importlib.metadata.distributions()))).__name__
 
         @pytest.mark.gpu
         @pytest.mark.parametrize("x", [1, 2])
@@ -664,6 +667,9 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
                 json.dump([os.getpid(), os.getppid()], f)
             with open(f"answers{x}.json", "w") as f:
                 json.dump([AT_COLLECTION, torch.cuda.is_available(), is_available()], f)
+            with open(f"metadata{x}.json", "w") as f:
+                read = importlib.metadata.distributions
+                json.dump([READ_AT_COLLECTION, read.__module__, read.__qualname__], f)
         """
     )
     result = _run_fast(pytester, "--spawn-jobs", "1", "--spawn-preload", "torch")
@@ -671,6 +677,10 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
     answers = [json.loads((pytester.path / f"answers{x}.json").read_text()) for x in (1, 2)]
     # Then torch's own (no CUDA on this machine), also where held by name.
     assert answers == [[found, False, False]] * 2
+    # The installed packages as the template read them once, while configuring and
+    # collecting; importlib's own in the test.
+    metadata = [json.loads((pytester.path / f"metadata{x}.json").read_text()) for x in (1, 2)]
+    assert metadata == [["_Read", "importlib.metadata", "distributions"]] * 2
     assert _forked(pytester, 2)
 
 
