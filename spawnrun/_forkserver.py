@@ -101,9 +101,14 @@ class Zygote:
         #: How the template ended before answering ("" while it answers).
         self.ended = ""
 
-    def preload(self, modules: list[str]) -> None:
+    def preload(
+        self,
+        modules: list[str],
+        path: list[str] | None = None,
+        rewrite: proto.Rewrite | None = None,
+    ) -> None:
         with contextlib.suppress(OSError):
-            self.conn.send(proto.Preload(modules))
+            self.conn.send(proto.Preload(modules, path, rewrite))
             self.pending += 1
 
     @property
@@ -128,7 +133,7 @@ class Zygote:
             if not isinstance(reply, proto.ZygoteReady):
                 return proto.ZygoteReady(self.pid, f"it did not answer as expected: {reply!r}")
             self.failed += reply.failed
-            if reply.problem:
+            if reply.problem or reply.stale:
                 return reply
             answer = reply
         return answer
@@ -260,9 +265,12 @@ class ZygoteHolder:
         #: How the template imports what pytest rewrites (None: it leaves that out).
         self.rewrite: proto.Rewrite | None = None
         self.config: Any = None
+        #: The head start (``_headstart.HeadStart``), told if its template was stale.
+        self.early: Any = None
 
-    def start(self, config: Any) -> None:
-        """Start the template now, so its imports overlap the parent's own collection."""
+    def start(self, config: Any, early: Any = None) -> None:
+        """Start the template now, so its imports overlap the parent's own collection;
+        or take the one started early (``_headstart.HeadStart``), where it fits."""
         if self.zygote is not None or self.off:
             return
         if not _probe.proc_mounted():
@@ -274,20 +282,27 @@ class ZygoteHolder:
         self.invocation_dir = str(config.invocation_params.dir)
         self.rootdir = Path(config.rootpath).resolve()
         self.config = config
-        # spawnrun's own plugin too: each fork's pytest loads it (30 ms to import).
-        self.base = _dedupe(["pytest", *pytest_modules(config), "spawnrun.plugin", *self.preload])
+        self.base = base_modules(config, self.preload)
         self._remembered(config)
         self.rewrite = rewrite_of(config)
         # Plugins' modules, then what earlier runs' tests imported (learned preloads).
         wanted = _dedupe([*plugin_modules(config, self.rootdir), *_learned.preloads(config)])
-        self.optional = [
-            m
-            for m in wanted
-            if m not in self.base and self._may_preload(m) and _top(m) not in self.excluded
-        ]
+        self.optional = [m for m in wanted if m not in self.base and self.may_keep(m)]
+        self.early = early
+        if early is not None:
+            self.zygote = early.adopt(self)
+        if self.zygote is None:
+            self._fresh(config)
+
+    def _fresh(self, config: Any) -> None:
+        """A template from scratch: the base, then everything optional found so far."""
         self.zygote = self._make(config, self.base)
         if self.zygote is not None and self.optional:
             self.zygote.preload(self.optional)
+
+    def may_keep(self, module: str) -> bool:
+        """Whether the template may import ``module`` (optional, not left out)."""
+        return self._may_preload(module) and _top(module) not in self.excluded
 
     def _make(self, config: Any, modules: list[str]) -> Zygote | None:
         spec = proto.ZygoteSpec(
@@ -321,7 +336,7 @@ class ZygoteHolder:
 
     def _may_preload(self, module: str) -> bool:
         """A module pytest rewrites only where the template rewrites it the same way."""
-        return self.rewrite is not None or not _rewritten(self.config, module)
+        return self.rewrite is not None or not rewritten(self.config, module)
 
     def fork(
         self, config: Any, spec: proto.ChildSpec, env: Mapping[str, str]
@@ -346,6 +361,14 @@ class ZygoteHolder:
         assert self.zygote is not None
         end = time.monotonic() + BOOT_LIMIT
         ready = self.zygote.ready()
+        if ready.stale:  # the head start's template: built again, from scratch
+            if self.early is not None:
+                self.early.stale(ready.stale)
+            self.zygote.close()
+            self._fresh(config)
+            if self.zygote is None:
+                return
+            ready = self.zygote.ready(end - time.monotonic())
         base_tops = {_top(m) for m in self.base}
         for _ in range(RETRIES):
             if not ready.problem or self.zygote.ended:
@@ -374,7 +397,7 @@ class ZygoteHolder:
 
     def _remembered(self, config: Any) -> None:
         """Leave out what made an earlier run's template unsafe, and say so."""
-        found = _remembered_exclusions(config)
+        found = remembered_exclusions(config)
         base_tops = {_top(m) for m in self.base}
         by_reason: dict[str, list[str]] = {}
         for top, reason in found.items():
@@ -389,7 +412,7 @@ class ZygoteHolder:
         cache = getattr(config, "cache", None)
         if cache is None or not tops:
             return
-        found = _remembered_exclusions(config)
+        found = remembered_exclusions(config)
         found.update({top: reason for top in tops})
         with contextlib.suppress(Exception):  # a read-only cache: rebuild next time
             cache.set(EXCLUDED_KEY, found)
@@ -421,7 +444,7 @@ class ZygoteHolder:
             self.zygote.close()
 
 
-def _rewritten(config: Any, module: str) -> bool:
+def rewritten(config: Any, module: str) -> bool:
     """Whether pytest rewrites asserts in ``module`` (plugins' packages, ``-p`` modules).
 
     Such a module must be imported by the child's own pytest, which rewrites it on
@@ -453,6 +476,14 @@ def rewrite_of(config: Any) -> proto.Rewrite | None:
     return proto.Rewrite(sorted(str(n) for n in names), python_files, pass_hook)
 
 
+def base_modules(config: Any, preload: list[str]) -> list[str]:
+    """What every template imports, in order (unsafe to fork after any: fast mode off).
+
+    spawnrun's own plugin too: each fork's pytest loads it (30 ms to import).
+    """
+    return _dedupe(["pytest", *pytest_modules(config), "spawnrun.plugin", *preload])
+
+
 def _top(module: str) -> str:
     return module.partition(".")[0]
 
@@ -461,7 +492,7 @@ def _dedupe(names: list[str]) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _remembered_exclusions(config: Any) -> dict[str, Any]:
+def remembered_exclusions(config: Any) -> dict[str, Any]:
     """What earlier runs found unsafe in a template, by top-level package ({}: nothing)."""
     cache = getattr(config, "cache", None)
     found = cache.get(EXCLUDED_KEY, {}) if cache is not None else {}

@@ -320,9 +320,16 @@ class ZygoteSpec:
 
 @dataclass(frozen=True)
 class Preload:
-    """Import these modules too (what the parent's collection imported), in this order."""
+    """Import these modules too (what the parent's collection imported), in this order.
+
+    A template that started early (``_headstart``) is told the parent's ``path``
+    (``sys.path``) and ``rewrite`` as they are once the conftests are loaded; it answers
+    ``stale`` if what it imported before would now be different.
+    """
 
     modules: list[str]
+    path: list[str] | None = None
+    rewrite: Rewrite | None = None
 
 
 @dataclass(frozen=True)
@@ -339,6 +346,10 @@ class ZygoteReady:
     failed: list[str] = field(default_factory=list)
     #: The culprit and every top-level package its import brought in.
     suspects: list[str] = field(default_factory=list)
+    #: Non-empty when a module the template imported early would now be another (found
+    #: elsewhere first on the parent's ``sys.path``, or marked for rewriting since): the
+    #: parent builds a template from scratch.
+    stale: str = ""
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,7 @@ class _Template:
         self.conn = conn
         #: pytest's rewriting hook as the parent's is set up (None: nothing rewritten).
         self.rewriter = _rewrite_hook(rewrite) if rewrite is not None else None
+        self.marked = set(rewrite.names) if rewrite is not None else set()
         self.refusal = ""
         #: pidfd -> pid of each forked child still running: its exit wakes us at once.
         self.children: dict[int, int] = {}
@@ -171,6 +172,23 @@ class _Template:
         gc.freeze()
         self.conn.send(proto.ZygoteReady(os.getpid(), self.refusal, culprit, failed, suspects))
 
+    def update(self, path: list[str] | None, rewrite: proto.Rewrite | None) -> str:
+        """Take the parent's ``sys.path`` and rewriting as they are now; say what is
+        stale ("" if nothing): a module imported before that would now be found
+        elsewhere first, or is now marked for rewriting but was imported plain."""
+        if rewrite is not None and set(rewrite.names) != self.marked:
+            plain = _imported_plain(set(rewrite.names) - self.marked)
+            if plain:
+                return f"{plain} was imported before it was marked for rewriting"
+            self.rewriter = _rewrite_hook(rewrite)
+            self.marked = set(rewrite.names)
+        if path is not None and path != sys.path:
+            moved = _found_elsewhere(path)
+            if moved:
+                return f"{moved} is found elsewhere first on the parent's sys.path now"
+            sys.path[:] = path
+        return ""
+
     def serve(self) -> None:
         while True:
             ready = wait([self.conn, *self.children])
@@ -183,7 +201,11 @@ class _Template:
             except (EOFError, OSError):
                 return  # the parent is done with us
             if isinstance(request, proto.Preload):
-                self.load(request.modules)
+                stale = self.update(request.path, request.rewrite)
+                if stale:
+                    self.conn.send(proto.ZygoteReady(os.getpid(), stale=stale))
+                else:
+                    self.load(request.modules)
             elif isinstance(request, proto.ForkRequest):
                 fd = reduction.recv_handle(self.conn)
                 # With -s the child writes where the parent does, not to our log.
@@ -215,6 +237,37 @@ class _Template:
             os.close(handle)
         self.children[os.pidfd_open(pid)] = pid
         self.conn.send(proto.Forked(pid))
+
+
+def _imported_plain(names: set[str]) -> str:
+    """A module of ``names`` (or below one) imported from source without rewriting ("")."""
+    for name, module in list(sys.modules.items()):
+        if not any(name == n or name.startswith(n + ".") for n in names):
+            continue
+        spec = getattr(module, "__spec__", None)
+        origin = getattr(spec, "origin", None) or ""
+        loader = type(getattr(module, "__loader__", None)).__name__
+        if origin.endswith(".py") and loader != "AssertionRewritingHook":
+            return name
+    return ""
+
+
+def _found_elsewhere(path: list[str]) -> str:
+    """A top-level module imported from a file that ``path`` finds another file for ("")."""
+    from importlib.machinery import PathFinder
+
+    for name, module in list(sys.modules.items()):
+        spec = getattr(module, "__spec__", None)
+        origin = getattr(spec, "origin", None)
+        if "." in name or not origin or not os.path.isabs(origin):
+            continue
+        try:
+            found = PathFinder.find_spec(name, path)
+        except (ImportError, ValueError, OSError):
+            continue
+        if found is not None and found.origin and found.origin != origin:
+            return name
+    return ""
 
 
 def _forked_child(

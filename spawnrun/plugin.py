@@ -29,6 +29,7 @@ from spawnrun import _drive
 from spawnrun import _early
 from spawnrun import _explain
 from spawnrun import _forkserver
+from spawnrun import _headstart
 from spawnrun import _inventory
 from spawnrun import _jobs
 from spawnrun import _learned
@@ -70,6 +71,12 @@ NO_PROC_KEY = pytest.StashKey[bool]()
 @pytest.hookimpl
 def pytest_addoption(parser: pytest.Parser) -> None:
     _settings.add_options(parser)
+
+
+@pytest.hookimpl
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    # Before the conftests import torch: fast mode's template imports it meanwhile.
+    _headstart.start(early_config)
 
 
 @pytest.hookimpl
@@ -152,10 +159,13 @@ def pytest_configure(config: pytest.Config) -> None:
     if lookahead is None:
         lookahead = _settings.default_lookahead()
     holder = None
-    if settings.method == "forkserver" and not _xdist_controller(config) and not settings.explain:
+    if settings.method == "forkserver" and not _xdist_controller(config) and _tests_run(config):
         holder = config.stash[_starting.ZYGOTE_KEY] = _forkserver.ZygoteHolder(
             list(settings.preload)
         )
+    head = config.stash.get(_headstart.KEY, None)
+    if holder is None and head is not None:
+        head.close()  # the template started early is not wanted after all
     scheduler = config.stash[SCHEDULER_KEY] = _drive.Driver(
         _devices.allocator_for(inventory.ids, ledger, capacity, per_gpu),
         limit,
@@ -175,6 +185,14 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
     _install_sigterm(config)
+
+
+def _tests_run(config: pytest.Config) -> bool:
+    """Whether this run may run a test in a child (not: it only lists or explains them)."""
+    settings = config.stash[SETTINGS_KEY]
+    if settings.no_spawn or settings.forced_inprocess or settings.explain:
+        return False
+    return not config.getoption("collectonly", False)
 
 
 def _warn_fast_mode_only(config: pytest.Config, settings: _settings.Settings) -> None:
@@ -291,7 +309,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     holder = config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         holder.child_environ = environ
-        holder.start(config)
+        holder.start(config, config.stash.get(_headstart.KEY, None))
 
 
 @pytest.hookimpl
@@ -557,6 +575,9 @@ def _store_learned(config: pytest.Config) -> None:
     durations = config.stash.get(DURATIONS_KEY, {})
     _learned.store(config, _learned.CACHE_DURATIONS, durations, collected)
     _learned.store_preloads(config)
+    holder = config.stash.get(_starting.ZYGOTE_KEY, None)
+    if holder is not None:
+        _headstart.remember(config, holder)
 
 
 #: Under xdist: each worker's summary lines, sent in its ``workeroutput``.

@@ -1,0 +1,156 @@
+"""Fast mode's template starts before the conftests are loaded (``_headstart``).
+
+A conftest that imports torch made the template wait for that import and then pay it
+again itself. On a second run the template now starts from ``pytest_load_initial_conftests``
+with what the last run's template imported, so its imports overlap the parent's; where
+what the conftests did would make that template differ from one started at session
+start (the environment, ``sys.path``, assertion rewriting), it is built again from
+scratch and the tests see what they would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+SLOWLIB = """
+import os, time
+START = time.time()
+MODE = os.environ.get("SLOWLIB_MODE", {mode!r})
+time.sleep(0.5)
+with open({stamps!r}, "a") as f:
+    f.write(f"{{os.getpid()}} {{START}} {{time.time()}}\\n")
+IMPORTED_IN = os.getpid()
+
+
+def check(x):
+    assert x == 2
+"""
+
+SUITE = """
+import json, os
+import pytest
+import slowlib
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x", [1, 2])
+def test_x(x):
+    with pytest.raises(AssertionError) as raised:
+        slowlib.check(1)
+    with open(f"where{x}.json", "w") as f:
+        json.dump([slowlib.MODE, str(raised.value), slowlib.IMPORTED_IN == os.getpid()], f)
+"""
+
+
+def _libs(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, name: str, mode: str) -> str:
+    """A folder outside the rootdir holding ``slowlib`` (a library, as pytest sees it)."""
+    folder = pytester.path.parent / f"{pytester.path.name}-{name}"
+    folder.mkdir()
+    stamps = str(pytester.path / "imports.txt")
+    (folder / "slowlib.py").write_text(SLOWLIB.format(mode=mode, stamps=stamps))
+    return str(folder)
+
+
+def _run(pytester: pytest.Pytester, *args: str) -> list[list[object]]:
+    result = pytester.runpytest_subprocess("--spawn-method", "forkserver", "-W", "default", *args)
+    result.assert_outcomes(passed=2, warnings=0)
+    return [json.loads((pytester.path / f"where{x}.json").read_text()) for x in (1, 2)]
+
+
+def _imports(pytester: pytest.Pytester) -> list[tuple[int, float, float]]:
+    rows = (pytester.path / "imports.txt").read_text().split("\n")
+    (pytester.path / "imports.txt").unlink()
+    return [(int(p), float(s), float(e)) for p, s, e in (r.split() for r in rows if r)]
+
+
+def test_the_template_imports_what_the_conftest_imports_meanwhile(pytester, monkeypatch):
+    """The second run's template imports the conftest's library while the parent does."""
+    monkeypatch.setenv("PYTHONPATH", _libs(pytester, monkeypatch, "libs", "site"), prepend=":")
+    pytester.makeconftest(
+        """
+        import os, time
+        import slowlib
+        import spawnrun
+        if not spawnrun.is_child():  # the parent's conftest goes on importing a while
+            time.sleep(2)
+            with open("parent.json", "w") as f:
+                f.write(f"[{os.getpid()}, {time.time()}]")
+        """
+    )
+    pytester.makepyfile(test_mine=SUITE)
+    first = _run(pytester)
+    _imports(pytester)
+    second = _run(pytester)
+    parent, conftest_end = json.loads((pytester.path / "parent.json").read_text())
+    imports = {pid: start for pid, start, _ in _imports(pytester)}
+    template = [pid for pid in imports if pid != parent]
+    assert len(template) == 1, imports  # the forks had it from their template
+    # The template was importing it before the parent's conftest was done.
+    assert imports[template[0]] < conftest_end
+    for seen in (first, second):
+        assert [row[0] for row in seen] == ["site", "site"]
+        assert [row[2] for row in seen] == [False, False]
+
+
+#: What a conftest does before importing slowlib that a template started before it
+#: could not have seen, and what the tests must see then.
+MISFITS = {
+    "environment": ("os.environ['SLOWLIB_MODE'] = 'conftest'\n", "SLOWLIB_MODE"),
+    "sys.path": ("sys.path.insert(0, {vendor!r})\n", "stale: slowlib is found"),
+    "rewriting": ("pytest.register_assert_rewrite('slowlib')\n", "stale: slowlib was"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISFITS))
+def test_a_conftest_that_changes_what_the_template_imports_gets_a_fresh_one(
+    pytester, monkeypatch, case
+):
+    """The environment a library reads at import (OpenMP's pool size), a folder put first
+    on ``sys.path`` and a library marked for rewriting: a template that imported before
+    the conftest ran would hand the tests another module. It is built again, the tests
+    see what plain pytest shows them, and the next run does not start one early."""
+    monkeypatch.setenv("PYTHONPATH", _libs(pytester, monkeypatch, "libs", "site"), prepend=":")
+    vendor = _libs(pytester, monkeypatch, "vendor", "vendor")
+    before, why = MISFITS[case]
+    pytester.makeconftest(
+        "import os, sys\nimport pytest\n" + before.format(vendor=vendor) + "import slowlib\n"
+    )
+    pytester.makepyfile(test_mine=SUITE)
+    plain = [row[:2] for row in _run(pytester, "--no-spawn")]
+    assert plain[0][0] != "site" or "assert 1 == 2" in plain[0][1]  # what the conftest did
+    for run in range(3):
+        seen = _run(pytester)
+        assert [row[:2] for row in seen] == plain, run
+        assert [row[2] for row in seen] == [False, False], run  # still forked with it
+    off = json.loads((pytester.path / ".pytest_cache/v/spawnrun/head-start-off").read_text())
+    assert why in off
+
+
+def test_no_template_starts_early_where_no_test_runs(pytester, monkeypatch):
+    """--collect-only and --no-spawn start no template, before the conftests or after
+    (one used to start at session start all the same, importing what the last run's
+    tests needed, for nothing)."""
+    monkeypatch.setenv("PYTHONPATH", _libs(pytester, monkeypatch, "libs", "site"), prepend=":")
+    pytester.makeconftest("import slowlib\n")
+    pytester.makepyfile(test_mine=SUITE)
+    _run(pytester)
+    _imports(pytester)
+    for args in (["--collect-only"], ["--no-spawn"]):
+        result = pytester.runpytest_subprocess("--spawn-method", "forkserver", *args)
+        assert result.ret == 0
+        assert len(_imports(pytester)) == 1, args  # the parent's own import only
+
+
+def test_the_template_modules_are_kept_for_the_next_run(pytester, monkeypatch):
+    """What the template imported, outside the rootdir, is what the next one starts with."""
+    monkeypatch.setenv("PYTHONPATH", _libs(pytester, monkeypatch, "libs", "site"), prepend=":")
+    pkg = pytester.mkpydir("mypkg")
+    (pkg / "core.py").write_text("")
+    pytester.makeconftest("import slowlib\n")
+    pytester.makepyfile(test_mine=textwrap.dedent(SUITE) + "\nimport mypkg.core\n")
+    _run(pytester)
+    kept = json.loads((pytester.path / ".pytest_cache/v/spawnrun/template-modules").read_text())
+    assert "slowlib" in kept
+    assert not [m for m in kept if m.startswith("mypkg")]  # the project's own comes later
