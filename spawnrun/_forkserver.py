@@ -285,8 +285,15 @@ class ZygoteHolder:
         self.base = base_modules(config, self.preload)
         self._remembered(config)
         self.rewrite = rewrite_of(config)
-        # Plugins' modules, then what earlier runs' tests imported (learned preloads).
-        wanted = _dedupe([*plugin_modules(config, self.rootdir), *_learned.preloads(config)])
+        # Plugins' modules, what earlier runs' tests imported (learned preloads), and the
+        # libraries the conftests imported (torch, at once rather than after collection).
+        wanted = _dedupe(
+            [
+                *plugin_modules(config, self.rootdir),
+                *_learned.preloads(config),
+                *library_modules(self.rootdir),
+            ]
+        )
         self.optional = [m for m in wanted if m not in self.base and self.may_keep(m)]
         self.early = early
         if early is not None:

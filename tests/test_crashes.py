@@ -1131,15 +1131,21 @@ def test_a_child_that_boots_unclaimed_is_under_the_boot_limit_at_its_turn(pytest
     ones boot past the limit."""
     pytester.makeconftest(
         """
-        import os, time
-        import spawnrun._jobs
+        import itertools, os, time
+        import spawnrun._jobs, spawnrun._runner
 
         spawnrun._jobs.BOOT_LIMIT = 0.5  # in the parent; 600 s really
-        if os.environ.get("SPAWNRUN_CHILD") == "1":
-            try:
-                os.close(os.open("first-child", os.O_CREAT | os.O_EXCL))
-            except FileExistsError:
-                time.sleep(3)
+        # Numbered as the parent starts them: which child first reached this line was a
+        # race among children booting at once (the test failed one run in four).
+        started = itertools.count()
+        start = spawnrun._runner.ChildProcess.__init__
+
+        def numbered(self, spec, env):
+            start(self, spec, {**env, "STARTED": str(next(started))})
+
+        spawnrun._runner.ChildProcess.__init__ = numbered
+        if os.environ.get("STARTED", "0") != "0":
+            time.sleep(3)
         """
     )
     pytester.makepyfile(
