@@ -65,31 +65,36 @@ def _imports(pytester: pytest.Pytester) -> list[tuple[int, float, float]]:
     return [(int(p), float(s), float(e)) for p, s, e in (r.split() for r in rows if r)]
 
 
-def test_the_template_imports_what_the_conftest_imports_meanwhile(pytester, monkeypatch):
-    """The second run's template imports the conftest's library while the parent does."""
+@pytest.mark.parametrize("where", [".", "tests"])
+def test_the_template_imports_what_the_conftest_imports_meanwhile(pytester, monkeypatch, where):
+    """The template imports the conftest's library while the parent does: on the first
+    run as the conftest reads (in the rootdir, or in the ``tests`` folder below it), on
+    the second as the first run's template imported."""
     monkeypatch.setenv("PYTHONPATH", _libs(pytester, monkeypatch, "libs", "site"), prepend=":")
-    pytester.makeconftest(
-        """
-        import os, time
-        import slowlib
-        import spawnrun
-        if not spawnrun.is_child():  # the parent's conftest goes on importing a while
-            time.sleep(2)
-            with open("parent.json", "w") as f:
-                f.write(f"[{os.getpid()}, {time.time()}]")
-        """
+    folder = pytester.path / where
+    folder.mkdir(exist_ok=True)
+    (folder / "conftest.py").write_text(
+        textwrap.dedent(
+            """
+            import os, time
+            import slowlib
+            import spawnrun
+            if not spawnrun.is_child():  # the parent's conftest goes on importing a while
+                time.sleep(2)
+                with open("parent.json", "w") as f:
+                    f.write(f"[{os.getpid()}, {time.time()}]")
+            """
+        )
     )
-    pytester.makepyfile(test_mine=SUITE)
-    first = _run(pytester)
-    _imports(pytester)
-    second = _run(pytester)
-    parent, conftest_end = json.loads((pytester.path / "parent.json").read_text())
-    imports = {pid: start for pid, start, _ in _imports(pytester)}
-    template = [pid for pid in imports if pid != parent]
-    assert len(template) == 1, imports  # the forks had it from their template
-    # The template was importing it before the parent's conftest was done.
-    assert imports[template[0]] < conftest_end
-    for seen in (first, second):
+    (folder / "test_mine.py").write_text(SUITE)
+    for run in range(2):
+        seen = _run(pytester)
+        parent, conftest_end = json.loads((pytester.path / "parent.json").read_text())
+        imports = {pid: start for pid, start, _ in _imports(pytester)}
+        template = [pid for pid in imports if pid != parent]
+        assert len(template) == 1, (run, imports)  # the forks had it from their template
+        # The template was importing it before the parent's conftest was done.
+        assert imports[template[0]] < conftest_end, run
         assert [row[0] for row in seen] == ["site", "site"]
         assert [row[2] for row in seen] == [False, False]
 
