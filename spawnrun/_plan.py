@@ -162,20 +162,24 @@ RUN_TEMPLATE = " of the run"
 def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
     """The template a test of its own is forked from in fast mode ("": none).
 
-    One per file and need (``--spawn-template run``: one per need for the run's files):
-    its tests run one after another, each in a fork of the process that collected their
-    files. Marked tests with a memory budget keep children of their own, which may run
-    side by side on a device.
+    One per file and devices, alone or budgeted (``--spawn-template run``: one for the
+    run's files): its tests run one after another, each in a fork of the process that
+    collected their files, each fork claiming its own budget. Marked tests with a memory
+    budget keep children of their own, which may run side by side on a device.
     """
     if settings.method != "forkserver" or settings.template == "library":
         return ""
     plan = item.stash[PLAN_KEY]
     if plan.count and plan.need is not _packing.ALONE:
         return ""
+    # Each fork claims its own budget: tests whose budgets differ (learned peaks under
+    # --spawn-gpu) share a template, where one per budget left most with none.
+    budget = "alone" if plan.need is _packing.ALONE else "each its budget"
+    needs = f"{'every GPU' if plan.every else plan.count}, {budget}"
     if settings.template == "run":
-        return f"{_packing.TEMPLATE_SCOPE}[{_needs(plan)}]{RUN_TEMPLATE}"
+        return f"{_packing.TEMPLATE_SCOPE}[{needs}]{RUN_TEMPLATE}"
     where = item.nodeid.split("::")[0]
-    return f"{_packing.TEMPLATE_SCOPE}{where} [{_needs(plan)}]"
+    return f"{_packing.TEMPLATE_SCOPE}{where} [{needs}]"
 
 
 def _closest_kwarg(item: pytest.Item, settings: _settings.Settings, name: str, parse: Any) -> Any:

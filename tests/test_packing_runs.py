@@ -595,3 +595,27 @@ def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, st
     second.assert_outcomes(passed=2)
     second.stdout.fnmatch_lines(["1 test failed on a learned budget, or beside one, *"])
     second.stdout.fnmatch_lines(["*ran again alone*: test_side.py::test_declared"])
+
+
+def test_tests_with_different_learned_budgets_fork_from_one_template(pytester):
+    """timm's model tests on the H200 (run 40): under --spawn-gpu each test had learned
+    a peak of its own, and a file's template was one per budget, so each template had
+    one test, was dropped, and each test collected its file in a fork of its own
+    (seconds for test_models.py's thousands of ids). Each fork claims its own budget: a
+    file's template (split by the job limit) forks them all."""
+    pytester.makepyfile(
+        test_many="import pytest\n\n@pytest.mark.parametrize('i', range(6))\n"
+        "def test_it(i):\n    pass\n"
+    )
+    peaks = {f"test_many.py::test_it[{i}]": (i + 1) * 2**20 for i in range(6)}
+    cache = pytester.path / ".pytest_cache" / "v" / "spawnrun"
+    cache.mkdir(parents=True)
+    (cache / "peaks").write_text(json.dumps(peaks))
+    result = pytester.runpytest_subprocess(
+        "--spawn-gpu", "--spawn-method", "forkserver", "--spawn-jobs", "2",
+        "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB",
+    )  # fmt: skip
+    result.assert_outcomes(passed=6)
+    result.stdout.fnmatch_lines(
+        ["6 tests isolated in 6 children (6 forked from 2 templates that collected their file)*"]
+    )
