@@ -313,11 +313,13 @@ class _Early:
     def __init__(self, config: pytest.Config) -> None:
         self._config = config
         self.cache: Any = None
-        if config.pluginmanager.has_plugin("cacheprovider"):
+        # Not with --cache-clear: nothing learned is wanted, and the cache is cleared
+        # when pytest's plugin configures.
+        if config.pluginmanager.has_plugin("cacheprovider") and not self.getoption("cacheclear"):
             from _pytest.cacheprovider import Cache
 
-            with contextlib.suppress(Exception):
-                self.cache = Cache.for_config(config, _ispytest=True)
+            with contextlib.suppress(Exception):  # pytest < 8.1 read its own options here
+                self.cache = Cache.for_config(self, _ispytest=True)  # type: ignore[arg-type]
 
     def getoption(self, name: str, default: Any = None, skip: bool = False) -> Any:
         return getattr(self._config.known_args_namespace, name, default)
