@@ -24,6 +24,7 @@ import pickle
 import signal
 import time
 import types
+from collections.abc import Collection
 from collections.abc import Mapping
 from collections.abc import Set
 from multiprocessing import reduction
@@ -246,6 +247,17 @@ class ForkedChild(_runner.ChildProcess):
         super().reaped()
 
 
+def may_keep(
+    config: Any, module: str, rewrite: proto.Rewrite | None, excluded: Collection[str]
+) -> bool:
+    """Whether a template may import ``module`` beyond its base: not left out by an
+    earlier run (``excluded``), and a module pytest rewrites only where the template
+    rewrites it the same way (``rewrite``)."""
+    if _top(module) in excluded:
+        return False
+    return rewrite is not None or not rewritten(config, module)
+
+
 class ZygoteHolder:
     """One zygote per run; rebuilt without packages that made it unsafe to fork."""
 
@@ -309,7 +321,7 @@ class ZygoteHolder:
 
     def may_keep(self, module: str) -> bool:
         """Whether the template may import ``module`` (optional, not left out)."""
-        return self._may_preload(module) and _top(module) not in self.excluded
+        return may_keep(self.config, module, self.rewrite, self.excluded)
 
     def _make(self, config: Any, modules: list[str]) -> Zygote | None:
         spec = proto.ZygoteSpec(
@@ -333,17 +345,11 @@ class ZygoteHolder:
         known = {*self.base, *self.optional}
         project = () if _coverage.parent_config() else project_dirs(self.rootdir, test_files)
         auto = [
-            m
-            for m in library_modules(self.rootdir, project)
-            if m not in known and self._may_preload(m) and _top(m) not in self.excluded
+            m for m in library_modules(self.rootdir, project) if m not in known and self.may_keep(m)
         ]
         self.optional += auto
         if auto:
             self.zygote.preload(auto)
-
-    def _may_preload(self, module: str) -> bool:
-        """A module pytest rewrites only where the template rewrites it the same way."""
-        return self.rewrite is not None or not rewritten(self.config, module)
 
     def fork(
         self, config: Any, spec: proto.ChildSpec, env: Mapping[str, str]

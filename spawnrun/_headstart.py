@@ -38,12 +38,12 @@ import pytest
 
 from spawnrun import _bytecode
 from spawnrun import _child
-from spawnrun import _devices
 from spawnrun import _forkserver
 from spawnrun import _learned
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _settings
+from spawnrun import _starting
 from spawnrun._libraries import is_library
 
 KEY = pytest.StashKey["HeadStart"]()
@@ -53,8 +53,6 @@ CACHE_MODULES = "spawnrun/template-modules"
 CACHE_OFF = "spawnrun/head-start-off"
 #: A reason kept until the cache is cleared: only a template can find it out.
 STALE = "stale: "
-#: Options under which no test runs: no template is started for them.
-NOTHING_RUNS = ("help", "version", "collectonly", "setupplan", "markers", "showfixtures")
 
 
 @dataclass
@@ -140,27 +138,23 @@ class HeadStart:
 
 def start(config: pytest.Config) -> None:
     """At ``pytest_load_initial_conftests``: start the template if fast mode will run."""
-    if _child.ACTIVE or (not os.environ.get("PYTEST_XDIST_WORKER") and _xdist(config)):
+    if _child.ACTIVE:
         return
     early = _Early(config)
-    ns = config.known_args_namespace
-    if any(getattr(ns, name, False) for name in NOTHING_RUNS):
+    if _settings.xdist_controller(early.getoption):
         return
     try:
         settings = _settings.resolve(early)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - pytest says what is wrong, after this hook
         return
-    if settings.method != "forkserver" or settings.no_spawn or settings.forced_inprocess:
+    if settings.method != "forkserver" or not settings.runs_children(early.getoption):
         return
-    if settings.explain or early.cache is None or not _probe.proc_mounted():
+    if early.getoption("setupplan") or early.cache is None or not _probe.proc_mounted():
         return
     child_environ = {}
     if _bytecode.wanted(settings.pycache):
-        try:
-            directory = early.cache.mkdir("spawnrun-pycache")
-        except OSError:
-            return
-        if _devices.not_private(directory):
+        directory, problem = _starting.cached_pycache(early.cache)
+        if directory is None or problem:
             return  # the session warns, and uses its own temporary directory
         child_environ[_bytecode.ENV] = str(directory)
     base = _forkserver.base_modules(config, list(settings.preload))
@@ -176,9 +170,7 @@ def start(config: pytest.Config) -> None:
     optional = [
         m
         for m in _dedupe(wanted)
-        if m not in base
-        and m.partition(".")[0] not in excluded
-        and (rewrite is not None or not _forkserver.rewritten(config, m))
+        if m not in base and _forkserver.may_keep(config, m, rewrite, excluded)
     ]
     off = early.cache.get(CACHE_OFF, "")
     head = HeadStart(
@@ -293,12 +285,6 @@ def _move_log(log: str, workdir: Path) -> str:
     except OSError:
         return log
     return str(target)
-
-
-def _xdist(config: pytest.Config) -> bool:
-    """Whether this is an xdist controller (it runs no test itself)."""
-    ns = config.known_args_namespace
-    return getattr(ns, "dist", "no") not in (None, "no") or bool(getattr(ns, "numprocesses", 0))
 
 
 def _dedupe(names: list[str]) -> list[str]:

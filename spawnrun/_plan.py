@@ -99,8 +99,13 @@ def _scope_plan(key: str, tests: list[pytest.Item]) -> _packing.Plan:
     return replace(chosen, scope=key)
 
 
-def _needs(plan: _packing.Plan) -> str:
-    budget = "alone" if plan.need is _packing.ALONE else _packing.show(plan.need)
+def _needs(plan: _packing.Plan, amount: bool = True) -> str:
+    """What a test's devices are, and how it holds them: alone, or its budget (``amount``
+    False: "each its budget", for a key that tests of different budgets share)."""
+    if plan.need is _packing.ALONE:
+        budget = "alone"
+    else:
+        budget = _packing.show(plan.need) if amount else "each its budget"
     return f"{'every GPU' if plan.every else plan.count}, {budget}"
 
 
@@ -174,8 +179,7 @@ def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
         return ""
     # Each fork claims its own budget: tests whose budgets differ (learned peaks under
     # --spawn-gpu) share a template, where one per budget left most with none.
-    budget = "alone" if plan.need is _packing.ALONE else "each its budget"
-    needs = f"{'every GPU' if plan.every else plan.count}, {budget}"
+    needs = _needs(plan, amount=False)
     if settings.template == "run":
         return f"{_packing.TEMPLATE_SCOPE}[{needs}]{RUN_TEMPLATE}"
     where = item.nodeid.split("::")[0]

@@ -698,6 +698,37 @@ class Settings:
     #: Whether ``@pytest.mark.forked`` spawns (pytest-forked is not there to own it).
     forked_alias: bool = False
 
+    def runs_children(self, getoption: Callable[..., Any]) -> bool:
+        """Whether this run may run a test in a child: not where it runs them in-process,
+        nor where pytest only lists or prints (``getoption``: the config's, or the early
+        view's before the command line is parsed in full)."""
+        if self.no_spawn or self.forced_inprocess or self.explain:
+            return False
+        return not any(getoption(name, False) for name in NOTHING_RUNS)
+
+
+#: Options under which pytest runs no test (``--setup-plan`` runs children: they show
+#: the fixtures they would set up).
+NOTHING_RUNS = (
+    "help",
+    "version",
+    "collectonly",
+    "markers",
+    "showfixtures",
+    "show_fixtures_per_test",
+)
+
+
+def xdist_controller(
+    getoption: Callable[..., Any], environ: Mapping[str, str] = os.environ
+) -> bool:
+    """Whether this process is an xdist controller: its workers run the tests, it runs
+    none itself. ``-n`` is read too: xdist sets ``--dist`` from it only when it starts."""
+    if environ.get("PYTEST_XDIST_WORKER"):
+        return False
+    dist = getoption("dist", "no")
+    return dist not in (None, "no") or bool(getoption("numprocesses", 0))
+
 
 def _value(s: Setting, config: pytest.Config, environ: Mapping[str, str]) -> Any:
     value = s.default

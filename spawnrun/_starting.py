@@ -9,7 +9,6 @@ mode, else spawned; ``start_early`` starts one for a file before its tests are k
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import pickle
@@ -230,6 +229,16 @@ def start(
     return _runner.ChildProcess(spec, env=env)
 
 
+def cached_pycache(cache: Any) -> tuple[Path | None, str]:
+    """The bytecode directory in pytest's ``cache``, and what makes it unsafe ("": it is
+    a real directory of this user that nobody else may write; None: none could be made)."""
+    try:
+        directory = cache.mkdir("spawnrun-pycache")
+    except OSError:
+        return None, ""
+    return directory, _devices.not_private(directory)
+
+
 def pycache_dir(config: pytest.Config) -> str:
     """Where children keep their bytecode: pytest's cache, else this run's temp dir.
 
@@ -240,11 +249,10 @@ def pycache_dir(config: pytest.Config) -> str:
     """
     cache = getattr(config, "cache", None)
     if cache is not None:
-        with contextlib.suppress(OSError):
-            directory = cache.mkdir("spawnrun-pycache")
-            problem = _devices.not_private(directory)
-            if not problem:
-                return str(directory)
+        directory, problem = cached_pycache(cache)
+        if directory is not None and not problem:
+            return str(directory)
+        if directory is not None:
             config.issue_config_time_warning(
                 pytest.PytestWarning(
                     f"spawnrun: not keeping children's bytecode in {directory}: it {problem}; "

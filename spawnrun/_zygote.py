@@ -34,6 +34,7 @@ from typing import Any
 from typing import NoReturn
 
 import pytest
+from _pytest.assertion.rewrite import AssertionRewritingHook
 
 from spawnrun import _child
 from spawnrun import _leave
@@ -246,8 +247,8 @@ def _imported_plain(names: set[str]) -> str:
             continue
         spec = getattr(module, "__spec__", None)
         origin = getattr(spec, "origin", None) or ""
-        loader = type(getattr(module, "__loader__", None)).__name__
-        if origin.endswith(".py") and loader != "AssertionRewritingHook":
+        rewritten = isinstance(getattr(module, "__loader__", None), AssertionRewritingHook)
+        if origin.endswith(".py") and not rewritten:
             return name
     return ""
 

@@ -92,7 +92,7 @@ def _xdist_worker() -> bool:
 
 def _xdist_controller(config: pytest.Config) -> bool:
     """The xdist controller runs no test itself: it needs no zygote."""
-    return not _xdist_worker() and config.getoption("dist", "no") not in (None, "no")
+    return _settings.xdist_controller(config.getoption)
 
 
 #: Under xdist, in the controller: the private directory of the workers' device ledger.
@@ -159,7 +159,11 @@ def pytest_configure(config: pytest.Config) -> None:
     if lookahead is None:
         lookahead = _settings.default_lookahead()
     holder = None
-    if settings.method == "forkserver" and not _xdist_controller(config) and _tests_run(config):
+    if (
+        settings.method == "forkserver"
+        and not _xdist_controller(config)
+        and settings.runs_children(config.getoption)
+    ):
         holder = config.stash[_starting.ZYGOTE_KEY] = _forkserver.ZygoteHolder(
             list(settings.preload)
         )
@@ -187,14 +191,6 @@ def pytest_configure(config: pytest.Config) -> None:
     _install_sigterm(config)
 
 
-def _tests_run(config: pytest.Config) -> bool:
-    """Whether this run may run a test in a child (not: it only lists or explains them)."""
-    settings = config.stash[SETTINGS_KEY]
-    if settings.no_spawn or settings.forced_inprocess or settings.explain:
-        return False
-    return not config.getoption("collectonly", False)
-
-
 def _warn_fast_mode_only(config: pytest.Config, settings: _settings.Settings) -> None:
     """Settings that only fast mode reads, set where it is off, say they do nothing."""
     if settings.method == "forkserver" or settings.no_spawn or settings.forced_inprocess:
@@ -220,11 +216,9 @@ def _boots_early(config: pytest.Config, settings: _settings.Settings) -> bool:
     spawned (the zygote is not ready yet), which costs a whole interpreter's imports
     where a fork of the zygote, or of its file's template, costs a few milliseconds.
     """
-    if settings.no_spawn or settings.forced_inprocess or settings.explain:
+    if not settings.runs_children(config.getoption) or config.getoption("setupplan", False):
         return False
     if settings.method == "forkserver" and settings.scope == "test":
-        return False
-    if config.getoption("collectonly", False) or config.getoption("setupplan", False):
         return False
     return not (_xdist_worker() or _xdist_controller(config))
 

@@ -159,3 +159,20 @@ def test_the_template_modules_are_kept_for_the_next_run(pytester, monkeypatch):
     kept = json.loads((pytester.path / ".pytest_cache/v/spawnrun/template-modules").read_text())
     assert "slowlib" in kept
     assert not [m for m in kept if m.startswith("mypkg")]  # the project's own comes later
+
+
+def test_cache_clear_starts_from_nothing_learned(pytester, monkeypatch):
+    """A library the last run's template imported is imported again early, before the
+    conftests; with ``--cache-clear`` nothing learned is used, early or later."""
+    monkeypatch.setenv("PYTHONPATH", _libs(pytester, monkeypatch, "libs", "site"), prepend=":")
+    pytester.makepyfile(
+        test_mine="import pytest\n\n@pytest.mark.gpu(count=0)\ndef test_x(): pass\n"
+    )
+    kept = pytester.path / ".pytest_cache/v/spawnrun/template-modules"
+    for args, imported in (((), 1), (("--cache-clear",), 0)):
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(json.dumps(["slowlib"]))
+        result = pytester.runpytest_subprocess("--spawn-method", "forkserver", *args)
+        result.assert_outcomes(passed=1)
+        stamps = pytester.path / "imports.txt"
+        assert len(_imports(pytester) if stamps.exists() else []) == imported, args
