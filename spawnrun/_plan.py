@@ -99,13 +99,13 @@ def _scope_plan(key: str, tests: list[pytest.Item]) -> _packing.Plan:
     return replace(chosen, scope=key)
 
 
-def _needs(plan: _packing.Plan, amount: bool = True) -> str:
-    """What a test's devices are, and how it holds them: alone, or its budget (``amount``
-    False: "each its budget", for a key that tests of different budgets share)."""
+def _needs(plan: _packing.Plan, exact: bool = False) -> str:
+    """What a test's devices are, and how it holds them: alone, or its budget (``exact``:
+    in bytes, for a key that only tests of the very same budget may share)."""
     if plan.need is _packing.ALONE:
         budget = "alone"
     else:
-        budget = _packing.show(plan.need) if amount else "each its budget"
+        budget = f"{plan.need} bytes" if exact else _packing.show(plan.need)
     return f"{'every GPU' if plan.every else plan.count}, {budget}"
 
 
@@ -167,19 +167,19 @@ RUN_TEMPLATE = " of the run"
 def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
     """The template a test of its own is forked from in fast mode ("": none).
 
-    One per file and devices, alone or budgeted (``--spawn-template run``: one for the
-    run's files): its tests run one after another, each in a fork of the process that
-    collected their files, each fork claiming its own budget. Marked tests with a memory
-    budget keep children of their own, which may run side by side on a device.
+    One per file, devices and budget (``--spawn-template run``: one per devices and
+    budget for the run's files): its tests run one after another, each in a fork of the
+    process that collected their files. Marked tests with a memory budget keep children
+    of their own, which may run side by side on a device.
     """
     if settings.method != "forkserver" or settings.template == "library":
         return ""
     plan = item.stash[PLAN_KEY]
     if plan.count and plan.need is not _packing.ALONE:
         return ""
-    # Each fork claims its own budget: tests whose budgets differ (learned peaks under
-    # --spawn-gpu) share a template, where one per budget left most with none.
-    needs = _needs(plan, amount=False)
+    # One per exact budget: a fork runs with the budget its template's first test was
+    # started with (a Go names the next test, not its environment).
+    needs = _needs(plan, exact=True)
     if settings.template == "run":
         return f"{_packing.TEMPLATE_SCOPE}[{needs}]{RUN_TEMPLATE}"
     where = item.nodeid.split("::")[0]

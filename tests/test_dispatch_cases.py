@@ -17,6 +17,7 @@ from sim.world import World
 
 from spawnrun.dispatch import Dispatcher
 from spawnrun.dispatch import events as ev
+from spawnrun.dispatch.events import Kind
 
 GiB = 1 << 30
 H200 = 140 * GiB
@@ -527,6 +528,21 @@ def test_a_test_that_failed_on_a_guess_runs_again_alone_once() -> None:
     assert world.agains == ["guessed"] and world.needs["guessed"] is None
     # Alone: it waited for its neighbour to leave the device.
     assert world.went["guessed"] >= 3.0
+
+
+def test_a_forked_test_that_failed_on_a_guess_runs_again_in_a_child_of_its_own() -> None:
+    """A test forked from its file's template runs with the budget the template was
+    started with: run again alone, it gets a child of its own (a fork of the template
+    would run with that budget again). Its template's other test still forks from it."""
+    specs = [
+        Spec(ev.Test("guessed", need=2 * GiB, template="t"), duration=1.0, fate="guess"),
+        Spec(ev.Test("sibling", need=2 * GiB, template="t"), duration=1.0),
+    ]
+    world = World(_settings(), specs)
+    result = world.run()
+    assert result.ends == {"guessed": ["replay"], "sibling": ["replay"]}
+    assert world.agains == ["guessed"] and world.needs["guessed"] is None
+    assert world.kinds == {"guessed": Kind.SPAWN, "sibling": Kind.FORK}
 
 
 def _mixed_suite() -> list[Spec]:

@@ -11,6 +11,7 @@ import json
 import re
 import textwrap
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -515,12 +516,31 @@ def test_tests_that_need_the_device_alone_wait_for_one_drain(pytester, stamps, e
         assert seen["exclusive"]["start"] < seen["bare"]["start"], seen
 
 
-@pytest.mark.parametrize("method", ["spawn", "forkserver"])
-def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(pytester, stamps, method):
+@pytest.mark.parametrize(
+    "method",
+    [
+        "spawn",
+        "forkserver",
+        pytest.param(
+            "forkserver-template",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="known defect: the driver hands a template's tests to the "
+                "dispatcher as one scope's, and a scope's test never runs again",
+            ),
+        ),
+    ],
+)
+def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(
+    pytester, stamps, monkeypatch, method
+):
     """A learned budget is a guess: a test whose memory grew past it failed (torch's cap)
     on the run after the one that learned it, where in-process it passes. It now runs
-    again at once, alone, and that run's outcome and peak count; the summary says so."""
+    again at once, alone, and that run's outcome and peak count; the summary says so.
+    Where it was forked from its file's template (tests of one budget, one at a time)
+    it still fails: a known defect, this case shows it."""
     write_fake_torch(pytester)
+    twice = method == "forkserver-template"
     pytester.makepyfile(
         test_grows="""
         import os
@@ -528,12 +548,13 @@ def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(pytester, stam
         from stamping import stamp
 
         @pytest.mark.gpu
-        def test_grows():
+        @pytest.mark.parametrize("n", [1, 2] if os.environ.get("TWICE") else [1])
+        def test_grows(n):
             import torch
             torch.cuda.init()
             if os.environ.get("SPAWNRUN_GPU_BUDGET"):  # as if it now needed more
                 raise torch.OutOfMemoryError("CUDA out of memory (pretend)")
-            stamp("grows", 0.1)
+            stamp(f"grows{n}", 0.1)
 
         @pytest.mark.gpu
         def test_steady():
@@ -543,20 +564,26 @@ def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(pytester, stam
         """
     )
     args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-pack", "auto"]
-    args += ["--spawn-method", method, "--junitxml=out.xml"]
-    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)  # learns: alone
+    args += ["--spawn-method", method.split("-")[0], "--junitxml=out.xml"]
+    if twice:  # --spawn-gpu: budgeted tests of a file (of one budget) share its template
+        monkeypatch.setenv("TWICE", "1")
+        args += ["--spawn-jobs", "1", "--spawn-gpu"]
+        test_file = pytester.path / "test_grows.py"
+        test_file.write_text(test_file.read_text().replace("@pytest.mark.gpu\n", ""))
+    tests = ["test_grows.py::test_grows[1]", "test_grows.py::test_grows[2]"][: 1 + twice]
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=2 + twice)  # learns: alone
     second = pytester.runpytest_subprocess(*args, "-rA")
-    second.assert_outcomes(passed=2)
-    second.stdout.fnmatch_lines(
-        [
-            "1 test failed on a learned budget, or beside one, and ran again alone (the "
-            "second run's outcome counts; its peak is recorded): test_grows.py::test_grows"
-        ]
-    )
+    second.assert_outcomes(passed=2 + twice)
+    said = "test failed" if len(tests) == 1 else "tests failed"
+    assert (
+        f"{len(tests)} {said} on a learned budget, or beside one, and ran again alone "
+        f"(the second run's outcome counts; its peak is recorded): {', '.join(tests)}"
+    ) in second.stdout.str()
     second.stdout.no_fnmatch_line("*out of memory (pretend)*")
-    assert read_stamps(stamps)["grows"]["budget"] == 0  # the run that counted: alone
+    seen = read_stamps(stamps)
+    assert [seen[f"grows{n}"]["budget"] for n in (1, 2)[: 1 + twice]] == [0] * len(tests)
     xml = (pytester.path / "out.xml").read_text()
-    assert xml.count('classname="test_grows" name="test_grows"') == 1, xml
+    assert xml.count('classname="test_grows" name="test_grows[1]"') == 1, xml
 
 
 def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, stamps):
@@ -597,25 +624,33 @@ def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, st
     second.stdout.fnmatch_lines(["*ran again alone*: test_side.py::test_declared"])
 
 
-def test_tests_with_different_learned_budgets_fork_from_one_template(pytester):
-    """timm's model tests on the H200 (run 40): under --spawn-gpu each test had learned
-    a peak of its own, and a file's template was one per budget, so each template had
-    one test, was dropped, and each test collected its file in a fork of its own
-    (seconds for test_models.py's thousands of ids). Each fork claims its own budget: a
-    file's template (split by the job limit) forks them all."""
+def test_each_fork_of_a_template_runs_with_its_own_learned_budget(pytester):
+    """timm's model tests on the H200 (run 44): a file's template forked tests of
+    different learned budgets, and each fork ran with the budget of the template's first
+    test (a Go tells an adopted child its test, not its budget): tests whose peak was
+    over that budget ran out of memory, where in-process they pass. Each test runs with
+    its own budget, as its report says (tests of one budget share a template)."""
     pytester.makepyfile(
-        test_many="import pytest\n\n@pytest.mark.parametrize('i', range(6))\n"
-        "def test_it(i):\n    pass\n"
+        test_many="import json, os, pytest\n\n@pytest.mark.parametrize('i', range(6))\n"
+        "def test_it(i, record_property):\n"
+        "    record_property('budget_seen', os.environ.get('SPAWNRUN_GPU_BUDGET'))\n"
     )
-    peaks = {f"test_many.py::test_it[{i}]": (i + 1) * 2**20 for i in range(6)}
+    peaks = {f"test_many.py::test_it[{i}]": (1 + i // 2) * 2**30 for i in range(6)}
     cache = pytester.path / ".pytest_cache" / "v" / "spawnrun"
     cache.mkdir(parents=True)
     (cache / "peaks").write_text(json.dumps(peaks))
     result = pytester.runpytest_subprocess(
-        "--spawn-gpu", "--spawn-method", "forkserver", "--spawn-jobs", "2",
-        "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB",
+        "--spawn-gpu", "--spawn-method", "forkserver", "--spawn-jobs", "1",
+        "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--junitxml=out.xml",
+        "-o", "junit_family=xunit1",
     )  # fmt: skip
     result.assert_outcomes(passed=6)
-    result.stdout.fnmatch_lines(
-        ["6 tests isolated in 6 children (6 forked from 2 templates that collected their file)*"]
-    )
+    cases = ElementTree.parse(pytester.path / "out.xml").getroot().iter("testcase")
+    budgets = {}
+    for case in cases:
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        budgets[case.get("name")] = (props["budget_seen"], props["spawnrun_budget_mib"])
+    assert len({seen for seen, _ in budgets.values()}) == 3, budgets
+    for seen, told in budgets.values():
+        assert round(int(seen) / 2**20) == round(float(told)), budgets
+    result.stdout.fnmatch_lines(["6 tests isolated in 6 children (6 forked from 3 templates*"])

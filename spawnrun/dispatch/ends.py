@@ -83,9 +83,10 @@ class Ends(Run):
             self.emit(ev.Dismiss(child.id))  # it would wait for the scope's next test
 
     def _again(self, child: Child, entry: Entry) -> None:
-        """Its test runs again, alone, in a child of its own; this one exits."""
+        """Its test runs again, alone, in a child of its own; this one exits. Not forked
+        from its template: a fork runs with the budget its template was started with."""
         entry.again = True
-        entry.test = replace(entry.test, need=ev.ALONE)
+        entry.test = replace(entry.test, need=ev.ALONE, template="")
         entry.phase, entry.child = Phase.WAITING, 0
         self.queue.append(entry.test.id)
         self.queue.sort(key=self.submitted.index)

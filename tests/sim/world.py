@@ -164,6 +164,8 @@ class World:
         self.went: dict[str, float] = {}
         self.needs: dict[str, int | None] = {}
         self.agains: list[str] = []
+        #: The kind of child each test last ran in.
+        self.kinds: dict[str, Kind] = {}
         capacity = dict(settings.capacity)
         self.capacity = {dv: capacity.get(dv) for dv in settings.devices}
 
@@ -416,6 +418,7 @@ class World:
             self._exit(proc, start + spec.duration / 2, -11)
             return
         self.needs[a.test] = self.d.children[a.child].need if a.devices else ev.ALONE
+        self.kinds[a.test] = proc.kind
         again = fate == "guess" and self.needs[a.test] is not ev.ALONE
         done = ev.Done(
             end,
