@@ -185,6 +185,12 @@ def default_per_gpu(cpus: int, gpus: int) -> int:
 TEMPLATE_SCOPE = "template "
 
 
+def shared_scope(scope: str) -> str:
+    """The scope whose child runs a test's setup, call and teardown among others' ("": a
+    process of its own: none, or a file's template, which forks one for each test)."""
+    return "" if scope.startswith(TEMPLATE_SCOPE) else scope
+
+
 @dataclass(frozen=True)
 class Plan:
     """What a spawned test needs, decided once at collection (kept in ``item.stash``)."""

@@ -104,14 +104,23 @@ class Performer(Units):
 
         The first run's job still ends its child (its reports are never replayed, and it
         is not counted as a test); its turn (what the parent's environment and teardown
-        were when pytest reached the test) carries over."""
+        were when pytest reached the test) carries over. A template's test runs again in
+        a child of its own (the template's forks run with its budget), and the template
+        goes on with its next test."""
         old = self.by_id.pop(nodeid, None)
         item, plan = self.items[nodeid]
         guess = plan.budget_source if plan.learned else "a neighbour's learned budget"
         why = f"ran again alone: it failed on a guessed budget ({guess})"
         self.items[nodeid] = (
             item,
-            replace(plan, need=_packing.ALONE, alone_because=why, budget_source="", learned=False),
+            replace(
+                plan,
+                need=_packing.ALONE,
+                alone_because=why,
+                budget_source="",
+                learned=False,
+                scope=_packing.shared_scope(plan.scope),
+            ),
         )
         self.again.append(nodeid)
         new = self._job_of(nodeid)

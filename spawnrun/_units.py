@@ -253,8 +253,11 @@ class Units(Loop):
         a learned budget (torch capped it there), or beside another test while budgets
         are learned (a neighbour's guess may have been too small). It then runs again,
         alone, once: a test that passes in-process never fails on a guess. Not a
-        scope's test (its child runs others), nor one that stopped the session."""
-        if not self.guessing or job.plan.scope or job.interrupted is not None or job.replaced:
+        scope's test (its child runs others; a template's test ran in a fork of its own),
+        nor one that stopped the session."""
+        if not self.guessing or _packing.shared_scope(job.plan.scope):
+            return False
+        if job.interrupted is not None or job.replaced:
             return False
         if not any(r.failed for r in job.replay.reports):
             return False

@@ -545,6 +545,21 @@ def test_a_forked_test_that_failed_on_a_guess_runs_again_in_a_child_of_its_own()
     assert world.kinds == {"guessed": Kind.SPAWN, "sibling": Kind.FORK}
 
 
+def test_a_templates_test_that_failed_on_a_guess_runs_again_apart() -> None:
+    """The driver hands a file's template to the dispatcher as a scope whose child forks
+    each test: one that failed on a guess runs again alone in a child of its own (its
+    budget was the template's), and the template goes on with its next test."""
+    specs = [
+        Spec(ev.Test(name, need=2 * GiB, scope="t", forked=True), duration=1.0, fate=fate)
+        for name, fate in (("first", "pass"), ("guessed", "guess"), ("last", "pass"))
+    ]
+    world = World(_settings(), specs)
+    result = world.run()
+    assert result.ends == {"first": ["replay"], "guessed": ["replay"], "last": ["replay"]}
+    assert world.agains == ["guessed"] and world.needs["guessed"] is None
+    assert world.kinds == {"first": Kind.SCOPE, "guessed": Kind.SPAWN, "last": Kind.SCOPE}
+
+
 def _mixed_suite() -> list[Spec]:
     """Budgeted tests of 1-3 s with a test that needs the device alone after every
     third of them (the shape of issue 25's mixed suite: bare and exclusive tests among

@@ -516,29 +516,16 @@ def test_tests_that_need_the_device_alone_wait_for_one_drain(pytester, stamps, e
         assert seen["exclusive"]["start"] < seen["bare"]["start"], seen
 
 
-@pytest.mark.parametrize(
-    "method",
-    [
-        "spawn",
-        "forkserver",
-        pytest.param(
-            "forkserver-template",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="known defect: the driver hands a template's tests to the "
-                "dispatcher as one scope's, and a scope's test never runs again",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("method", ["spawn", "forkserver", "forkserver-template"])
 def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(
     pytester, stamps, monkeypatch, method
 ):
     """A learned budget is a guess: a test whose memory grew past it failed (torch's cap)
     on the run after the one that learned it, where in-process it passes. It now runs
     again at once, alone, and that run's outcome and peak count; the summary says so.
-    Where it was forked from its file's template (tests of one budget, one at a time)
-    it still fails: a known defect, this case shows it."""
+    Also where a file's template forked it (tests of one budget, one at a time): the
+    driver hands a template to the dispatcher as a scope, whose tests never ran again,
+    and it failed; it now runs again in a child of its own."""
     write_fake_torch(pytester)
     twice = method == "forkserver-template"
     pytester.makepyfile(

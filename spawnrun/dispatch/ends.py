@@ -62,10 +62,14 @@ class Ends(Run):
         if child.state is not State.RUNNING or child.test != event.test:
             return  # it was stopped or timed out meanwhile: that report stands
         entry = self.tests[event.test]
-        if event.again and not entry.again and not child.scope and not self.stopping:
+        again = event.again and not entry.again and not self.stopping
+        if again and not child.scope:
             self._again(child, entry)
             return
-        self.end(entry, ev.Replay(event.test))
+        if again and entry.test.forked:
+            self._again_apart(entry)  # the scope's child goes on with its next test
+        else:
+            self.end(entry, ev.Replay(event.test))
         if event.interrupt:
             self._interrupted(event.test)
         child.last, child.test = event.test, ""
@@ -93,6 +97,16 @@ class Ends(Run):
         self.emit(ev.Again(entry.test.id))
         child.last, child.test = entry.test.id, ""
         child.move(State.EXITING, self.now, self.now + self.settings.exit_grace)
+
+    def _again_apart(self, entry: Entry) -> None:
+        """A template's test runs again, alone, in a child of its own; the template goes
+        on with its scope's next test (each of its tests ran in a fork of its own)."""
+        entry.again = True
+        entry.test = replace(entry.test, need=ev.ALONE, scope="", forked=False)
+        entry.phase, entry.child = Phase.WAITING, 0
+        self.queue.append(entry.test.id)
+        self.queue.sort(key=self.submitted.index)
+        self.emit(ev.Again(entry.test.id))
 
     def _exited(self, child: Child, code: int) -> None:
         state = child.state

@@ -25,9 +25,11 @@ class Test:
     """One spawned test as the dispatcher sees it: its plan, decided once at collection.
 
     ``scope``: tests of one scope share a child, in the order they were submitted ("": a
-    child of its own). ``template``: its forks come from the template of that key (fast
-    mode; ""  none). ``key``: what a child started before the test was known must have
-    been started with (arguments and environment) for the test to take it.
+    child of its own); ``forked``: that child forks a fresh process for each of them (a
+    file's template, fast mode), so one of them may run again in a child of its own.
+    ``template``: its forks come from the template of that key (fast mode; "" none).
+    ``key``: what a child started before the test was known must have been started with
+    (arguments and environment) for the test to take it.
     """
 
     id: str
@@ -35,6 +37,7 @@ class Test:
     need: int | None = ALONE
     every: bool = False
     scope: str = ""
+    forked: bool = False
     template: str = ""
     timeout: float | None = None
     #: What earlier runs measured of its setup, call and teardown (seconds), for
