@@ -172,6 +172,10 @@ class Ending:
     def on_message(self, msg: proto.Message | _runner.Died) -> None:
         if isinstance(msg, proto.After):
             self.after_notes += msg.notes  # told as a warning once it is gone
+        elif isinstance(msg, proto.ForkEnded):
+            # The template's word on this test's fork, read with its "done" (a loaded
+            # parent reads both at once) or while it waits for the next test.
+            warn_fork_ended(self.item, msg)
 
     def on_exit(self) -> None:
         """The child's sentinel fired: the process is gone."""
@@ -279,3 +283,15 @@ class Ending:
         if self.reaped_count:
             texts.append(_reports.REAPED.format(n=self.reaped_count))
         return texts
+
+
+def warn_fork_ended(item: pytest.Item, msg: proto.ForkEnded) -> None:
+    """Warn on ``item`` that its fork ended badly after its "done" (a template's word)."""
+    if msg.killed:
+        text = _reports.STUCK_EXIT.format(s=proto.FORK_EXIT_LIMIT)
+    elif msg.code:
+        text = _reports.BAD_EXIT.format(code=msg.code)
+    else:
+        return
+    warning = _reports.warning(text, str(item.path), (item.location[1] or 0) + 1)
+    _reports.record_warning(item.config, warning, item.nodeid)

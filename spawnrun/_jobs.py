@@ -435,16 +435,11 @@ class Job:
             self._pipe_ended(msg.cause)
 
     def _fork_ended(self, msg: proto.ForkEnded) -> None:
-        """Warn on the test whose fork ended badly after its "done" (not on this one)."""
-        if msg.killed:
-            text = _reports.STUCK_EXIT.format(s=proto.FORK_EXIT_LIMIT)
-        elif msg.code:
-            text = _reports.BAD_EXIT.format(code=msg.code)
-        else:
-            return
-        item = self.previous or self.item
-        warning = _reports.warning(text, str(item.path), (item.location[1] or 0) + 1)
-        _reports.record_warning(item.config, warning, item.nodeid)
+        """Warn on the test whose fork ended badly after its "done": this one's, or the
+        previous test's of its template (its word comes before this test's fork)."""
+        previous = self.previous
+        item = previous if previous is not None and msg.pid != self.forked_pid else self.item
+        _ending.warn_fork_ended(item, msg)
 
     def _learn(self, torch_peak: int | None) -> None:
         """The peak that ``--spawn-pack auto`` budgets this test by next time.
