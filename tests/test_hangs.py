@@ -179,21 +179,6 @@ def test_a_fork_that_does_not_exit_does_not_hold_the_next_test(pytester):
     no_internal_error(result)
 
 
-@pytest.mark.parametrize("method", ["forkserver", "spawn"])
-def test_an_exit_status_after_done_is_a_warning_on_its_test(pytester, method):
-    """An atexit handler's exit status: the next test is not to blame, the guilty warned."""
-    pytester.makepyfile(test_stuck=STUCK.format(body=EXITS_3))
-    result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--spawn-method", method, "--spawn-jobs", "1", "-v",
-        timeout=HANG,
-    )  # fmt: skip
-    result.assert_outcomes(passed=2, warnings=1)
-    result.stdout.fnmatch_lines(
-        ["*test_stuck.py::test_guilty*", "*SpawnrunWarning*exited with status 3 after*"]
-    )
-    no_internal_error(result)
-
-
 #: The guilty test stops the parent for a second: its "done" and its template's word that
 #: the fork exited with 3 then reach the parent in one read.
 STOPS_THE_PARENT = (
@@ -204,18 +189,24 @@ STOPS_THE_PARENT = (
 )
 
 
-def test_an_exit_status_read_with_the_done_is_a_warning_on_its_test(pytester):
-    """A fork's exit status that reaches the parent in the same read as its test's
-    "done" (a loaded parent) was handed to the test's ending, which dropped it: the
+@pytest.mark.parametrize(
+    ("method", "body"),
+    [("forkserver", EXITS_3), ("spawn", EXITS_3), ("forkserver", STOPS_THE_PARENT)],
+    ids=["forkserver", "spawn", "forkserver-read-with-the-done"],
+)
+def test_an_exit_status_after_done_is_a_warning_on_its_test(pytester, method, body):
+    """An atexit handler's exit status: the next test is not to blame, the guilty warned.
+    Also where a fork's status reaches the parent in the same read as its test's "done"
+    (a loaded parent): it was handed to the test's ending, which dropped it, so the
     warning came once in a while only (seen under load in a full run)."""
-    pytester.makepyfile(test_stuck=STUCK.format(body=STOPS_THE_PARENT))
+    pytester.makepyfile(test_stuck=STUCK.format(body=body))
     pytester.makeconftest(
         "import os, spawnrun\n"
         "if not spawnrun.is_child():\n"
         "    os.environ['PARENT_PID'] = str(os.getpid())\n"
     )
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--spawn-method", "forkserver", "--spawn-jobs", "1", "-v",
+        "-p", "no:cacheprovider", "--spawn-method", method, "--spawn-jobs", "1", "-v",
         timeout=HANG,
     )  # fmt: skip
     result.assert_outcomes(passed=2, warnings=1)

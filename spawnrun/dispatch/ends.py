@@ -87,22 +87,17 @@ class Ends(Run):
             self.emit(ev.Dismiss(child.id))  # it would wait for the scope's next test
 
     def _again(self, child: Child, entry: Entry) -> None:
-        """Its test runs again, alone, in a child of its own; this one exits. Not forked
-        from its template: a fork runs with the budget its template was started with."""
-        entry.again = True
-        entry.test = replace(entry.test, need=ev.ALONE, template="")
-        entry.phase, entry.child = Phase.WAITING, 0
-        self.queue.append(entry.test.id)
-        self.queue.sort(key=self.submitted.index)
-        self.emit(ev.Again(entry.test.id))
+        """Its test runs again, alone, in a child of its own; this one exits."""
+        self._again_apart(entry)
         child.last, child.test = entry.test.id, ""
         child.move(State.EXITING, self.now, self.now + self.settings.exit_grace)
 
     def _again_apart(self, entry: Entry) -> None:
-        """A template's test runs again, alone, in a child of its own; the template goes
-        on with its scope's next test (each of its tests ran in a fork of its own)."""
+        """The test runs again, alone, in a child of its own: not forked from its
+        template, nor in its scope's child (a template's, which goes on with its next
+        test): a fork runs with the budget its template was started with."""
         entry.again = True
-        entry.test = replace(entry.test, need=ev.ALONE, scope="", forked=False)
+        entry.test = replace(entry.test, need=ev.ALONE, scope="", forked=False, template="")
         entry.phase, entry.child = Phase.WAITING, 0
         self.queue.append(entry.test.id)
         self.queue.sort(key=self.submitted.index)
