@@ -89,26 +89,119 @@ def main(
             config.workerinput = dict(spec.workerinput)  # type: ignore[attr-defined]
         config.pluginmanager.register(relay, "spawnrun-child")
         code = config.hook.pytest_cmdline_main(config=config)
-        if not relay.booted:
-            # pytest ended before the test was even looked for: an error in a hook at
-            # configure or collection time (INTERNALERROR), told to the child's own
-            # terminal reporter. Its words are the cause: send them.
-            relay.send(proto.Booted(os.getpid(), False, relay.ended_early(code), failed=True))
-            relay.booted = True
+        _ended(relay, code)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
-        if not relay.booted:
-            relay.send(
-                proto.Booted(
-                    os.getpid(),
-                    False,
-                    "error while starting pytest in the child:\n" + traceback.format_exc(),
-                    failed=True,
-                )
-            )
-        elif not relay.interrupted:
-            relay.notes.append("error in the child after the test:\n" + traceback.format_exc())
+        _failed(relay)
     relay.finish()
     leave(0)
+
+
+def _ended(relay: _Relay, code: Any) -> None:
+    if not relay.booted:
+        # pytest ended before the test was even looked for: an error in a hook at
+        # configure or collection time (INTERNALERROR), told to the child's own
+        # terminal reporter. Its words are the cause: send them.
+        relay.send(proto.Booted(os.getpid(), False, relay.ended_early(code), failed=True))
+        relay.booted = True
+
+
+def _failed(relay: _Relay) -> None:
+    if not relay.booted:
+        relay.send(
+            proto.Booted(
+                os.getpid(),
+                False,
+                "error while starting pytest in the child:\n" + traceback.format_exc(),
+                failed=True,
+            )
+        )
+    elif not relay.interrupted:
+        relay.notes.append("error in the child after the test:\n" + traceback.format_exc())
+
+
+def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
+    """A configured template (``_configured``): configure pytest as ``main`` does, with
+    the parent's own arguments, and start the session; ``serving`` forks each test where
+    the session would collect. Returns only in a fork, whose session then ends here as
+    a child's does (``take_over`` made it the test's child)."""
+    global ACTIVE
+    ACTIVE = True
+    _bytecode.start()
+    _budget.install()
+    own = os.path.join(
+        os.path.dirname(os.path.dirname(spec.stacks_path)), f"template-{os.getpid()}"
+    )
+    os.makedirs(own, exist_ok=True)
+    stacks = open(os.path.join(own, "stacks.txt"), "w")  # noqa: SIM115 - the process's
+    relay = _Relay(dataclasses.replace(spec, stacks_path=stacks.name), None, stacks)  # type: ignore[arg-type]
+    os.chdir(spec.invocation_dir)
+    relay.undo = [
+        _availability.while_collecting(spec.cuda_available),
+        _metadata.while_configuring(),
+    ]
+    config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.run_args])
+    for name, data in spec.late_options.items():
+        setattr(config.option, name, pickle.loads(data))
+    if spec.workerinput is not None:
+        config.workerinput = dict(spec.workerinput)  # type: ignore[attr-defined]
+    config.pluginmanager.register(relay, "spawnrun-child")
+    config.pluginmanager.register(serving, "spawnrun-configured")
+    try:
+        code = config.hook.pytest_cmdline_main(config=config)
+    except BaseException:  # noqa: BLE001 - in a fork: told to the parent
+        if not serving.forked:
+            raise
+        _failed(relay)
+    else:
+        _ended(relay, code)
+    relay.finish()
+    leave(0)
+
+
+def take_over(
+    config: Any, spec: proto.ChildSpec, conn: Connection, parent: int, streams: list[int]
+) -> None:
+    """A configured template's fork becomes the test's child: what ``main`` and
+    ``isolate`` do before pytest collects, with the test's spec. ``streams``: the
+    parent's stdout and stderr, with -s."""
+    relay: _Relay = config.pluginmanager.get_plugin("spawnrun-child")
+    relay.conn = conn
+    relay.spec = spec
+    _bytecode.start()  # the test's environment replaced the template's
+    _budget.install()
+    _probe.die_with_parent(parent)
+    os.setsid()
+    # pytest's capture of the template holds files every fork shares (one offset):
+    # each fork captures into files of its own, around its own output streams.
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if capture is not None:
+        capture.stop_global_capturing()
+    if spec.log_path is not None:
+        fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        streams = [fd, fd]
+    for target, stream in zip((1, 2), streams, strict=False):
+        os.dup2(stream, target)
+    for stream in set(streams):
+        os.close(stream)
+    directory = os.path.dirname(spec.stacks_path)
+    _name_capture_files(directory)
+    if capture is not None:
+        capture.start_global_capturing()
+    relay.stacks = open(spec.stacks_path, "w")  # noqa: SIM115 - lives as long as the process
+    _arm_faulthandler(relay.stacks)
+    _stackhook.install(directory)
+    if relay.sink is not None:
+        relay.sink.reopen(os.path.join(directory, "terminal.log"))
+    relay.current = spec.nodeid
+    relay.wanted = _wanted_paths(spec.args, spec.invocation_dir)
+    config.args = list(spec.args)
+    config.option.basetemp = spec.option_dict.get("basetemp")
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is not None and config.option.basetemp:
+        # pytest keeps the session's temporary-directory factory on the config, with no
+        # public way to point it elsewhere (``_template._own_basetemp`` does the same).
+        factory._given_basetemp = Path(os.path.abspath(config.option.basetemp))
+        factory._basetemp = None
 
 
 def isolate(spec: proto.ChildSpec, conn: Connection, parent: int | None = None) -> _Relay:
@@ -793,6 +886,14 @@ class _Sink(io.TextIOBase):
 
     def to_output(self, path: str) -> None:
         self.target = _line_file(path, "a")
+        self.current = path
+
+    def reopen(self, path: str) -> None:
+        """A fork's own file from now on (a configured template's fork)."""
+        if self.target is not self.own:
+            self.target.close()
+        self.own.close()
+        self.own = self.target = _line_file(path, "w")
         self.current = path
 
     def to_own(self) -> None:

@@ -87,6 +87,10 @@ class ChildSpec:
     #: The parent's collection found CUDA available (``_availability``): the child
     #: answers ``torch.cuda.is_available()`` so while it collects, not the driver.
     cuda_available: bool = False
+    #: The parent's own arguments (fast mode, unless ``--spawn-template library``): a
+    #: configured template (``_configured``) is configured with them once, as the
+    #: parent was, and each of its forks collects ``args``. Empty: none may serve it.
+    run_args: list[str] = field(default_factory=list)
     protocol: int = PROTOCOL_VERSION
 
 
@@ -378,6 +382,23 @@ class Refused:
     """The template will not fork (a device runtime or another thread runs in it): why."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class Configured:
+    """A configured template configured pytest and started its session (to the zygote).
+
+    ``refusal``: why it may not fork (a conftest started a thread or a device runtime);
+    the zygote then forks those tests itself, as before.
+    """
+
+    pid: int
+    refusal: str = ""
+
+
+@dataclass(frozen=True)
+class Retire:
+    """To a configured template: fork no more; leave once your children have ended."""
 
 
 @dataclass(frozen=True)

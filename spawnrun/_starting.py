@@ -52,9 +52,12 @@ class Shared:
     coverage: str
     #: Set in every child's environment (``_bytecode``'s directory).
     environ: dict[str, str] = field(default_factory=dict)
+    #: The parent's arguments, for configured templates (``ChildSpec.run_args``).
+    run_args: list[str] = field(default_factory=list)
 
 
-def shared(config: pytest.Config, environ: Mapping[str, str]) -> Shared:
+def shared(config: pytest.Config, environ: Mapping[str, str], configured: bool) -> Shared:
+    """``configured``: children may fork from a template that configured pytest once."""
     options, late = _runner.forwarded_options(config)
     return Shared(
         options=options,
@@ -64,6 +67,7 @@ def shared(config: pytest.Config, environ: Mapping[str, str]) -> Shared:
         junit_family=_junit_family(config),
         coverage=_coverage.parent_config(),
         environ=dict(environ),
+        run_args=list(config.args) if configured else [],
     )
 
 
@@ -161,6 +165,7 @@ def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> pro
         junit_family=run.junit_family,
         coverage=run.coverage,
         cuda_available=_availability.in_parent(),
+        run_args=run.run_args,
         **test,
     )
 

@@ -27,6 +27,7 @@ import sys
 import traceback
 import types
 from collections.abc import Iterator
+from multiprocessing import Pipe
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
@@ -37,6 +38,7 @@ import pytest
 from _pytest.assertion.rewrite import AssertionRewritingHook
 
 from spawnrun import _child
+from spawnrun import _configured
 from spawnrun import _leave
 from spawnrun import _metadata
 from spawnrun import _probe
@@ -133,6 +135,8 @@ class _Template:
         self.refusal = ""
         #: pidfd -> pid of each forked child still running: its exit wakes us at once.
         self.children: dict[int, int] = {}
+        #: Templates that configured pytest once; their forks are tests' children too.
+        self.pool = _configured.Pool()
 
     def load(self, modules: list[str]) -> None:
         """Import ``modules`` in order, checking safety after each top-level package.
@@ -192,9 +196,11 @@ class _Template:
 
     def serve(self) -> None:
         while True:
-            ready = wait([self.conn, *self.children])
+            ready = wait([self.conn, *self.children, *self.pool.watched()])
             for fd in [r for r in ready if r in self.children]:
                 self._reap(fd)
+            self.pool.on_ready(ready)
+            self._send_exits()
             if self.conn not in ready:
                 continue
             try:
@@ -202,6 +208,7 @@ class _Template:
             except (EOFError, OSError):
                 return  # the parent is done with us
             if isinstance(request, proto.Preload):
+                self.pool.retire()  # configured before these imports, or with another path
                 stale = self.update(request.path, request.rewrite)
                 if stale:
                     self.conn.send(proto.ZygoteReady(os.getpid(), stale=stale))
@@ -214,6 +221,11 @@ class _Template:
                 streams = [reduction.recv_handle(self.conn) for _ in range(count)]
                 self._fork(request, fd, streams)
 
+    def _send_exits(self) -> None:
+        exits, self.pool.exits = self.pool.exits, []
+        for exited in exits:
+            self.conn.send(exited)
+
     def _reap(self, pidfd: int) -> None:
         pid = self.children.pop(pidfd)
         os.close(pidfd)
@@ -221,23 +233,53 @@ class _Template:
         self.conn.send(proto.Exited(pid, os.waitstatus_to_exitcode(status)))
 
     def _fork(self, request: proto.ForkRequest, fd: int, streams: list[int]) -> None:
+        handles = [fd, *streams]
+        pid = None
         if not self.refusal:
+            pid = self.pool.fork(request, handles, lambda r: self._configure(r, handles))
+            self._send_exits()
+        if pid is None and not self.refusal:
             self.refusal = unsafe_state()
         if self.refusal:
-            for handle in (fd, *streams):
+            for handle in handles:
                 os.close(handle)
             self.conn.send(proto.Refused(self.refusal))
             return
-        template = os.getpid()
+        if pid is None:
+            template = os.getpid()
+            pid = os.fork()
+            if pid == 0:
+                self.pool.close_in_child()
+                for target, stream in zip((1, 2), streams, strict=False):
+                    os.dup2(stream, target)
+                _forked_child(request, fd, self.conn, list(self.children), template)
+            self.children[os.pidfd_open(pid)] = pid
+        for handle in handles:
+            os.close(handle)
+        self.conn.send(proto.Forked(pid))
+
+    def _configure(
+        self, request: proto.ForkRequest, handles: list[int]
+    ) -> tuple[int, Connection] | None:
+        """Fork a configured template for the kind of ``request`` (``_configured``);
+        None where this process may not fork."""
+        if unsafe_state():
+            return None
+        ours, theirs = Pipe(duplex=True)
+        zygote = os.getpid()
         pid = os.fork()
         if pid == 0:
-            for target, stream in zip((1, 2), streams, strict=False):
-                os.dup2(stream, target)
-            _forked_child(request, fd, self.conn, list(self.children), template)
-        for handle in (fd, *streams):
-            os.close(handle)
-        self.children[os.pidfd_open(pid)] = pid
-        self.conn.send(proto.Forked(pid))
+            try:
+                ours.close()
+                self.conn.close()
+                self.pool.close_in_child()
+                for handle in (*handles, *self.children):
+                    os.close(handle)  # the test's pipe end is its child's alone
+                _configured.main(request, theirs, zygote)
+            finally:
+                os._exit(70)
+        theirs.close()
+        return pid, ours
 
 
 def _imported_plain(names: set[str]) -> str:

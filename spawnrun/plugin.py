@@ -299,7 +299,11 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         environ[_bytecode.ENV] = _starting.pycache_dir(config)
         _bytecode.write_into(environ[_bytecode.ENV])  # until collection ends
         config.add_cleanup(_bytecode.stop)  # a collection that never ends, too
-    config.stash[_starting.SHARED_KEY] = _starting.shared(config, environ)
+    settings = config.stash[SETTINGS_KEY]
+    # Fast mode forks children from a template that configured pytest once, unless
+    # each child is to configure its own (``--spawn-template library``).
+    configured = settings.method == "forkserver" and settings.template != "library"
+    config.stash[_starting.SHARED_KEY] = _starting.shared(config, environ, configured)
     holder = config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         holder.child_environ = environ

@@ -729,3 +729,69 @@ def test_the_parents_finding_is_asked_only_once_the_driver_is_initialized(
     assert len(asked) == (1 if touched else 0)
     _availability.in_parent()  # known once asked: asked once
     assert len(asked) == (1 if touched else 0)
+
+
+CONFIGURED_CONFTEST = """
+import os, threading, time
+import spawnrun
+
+SEEN = os.environ.get("CUDA_VISIBLE_DEVICES")
+if spawnrun.is_child() and os.environ.get("START_A_THREAD"):
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+
+
+def pytest_configure(config):
+    if spawnrun.is_child():
+        with open(os.path.join(os.environ["RECORDS"], f"configured-{os.getpid()}"), "w") as f:
+            f.write(str(SEEN))
+"""
+
+CONFIGURED_TEST = """
+import os, time
+import pytest
+import conftest
+
+@pytest.mark.gpu
+def test_{i}(tmp_path):
+    time.sleep(0.2)
+    print("printed by {i}")
+    visible = os.environ["CUDA_VISIBLE_DEVICES"]
+    with open(os.path.join(os.environ["RECORDS"], "ran-{i}"), "w") as f:
+        f.write(f"{{os.getpid()}} {{tmp_path}} {{conftest.SEEN}} {{visible}}")
+    assert {i} != 3, "fails, to show its own output"
+"""
+
+
+@pytest.mark.parametrize("conftest", ["safe", "starts-a-thread"])
+def test_a_configured_template_configures_pytest_once_for_tests_of_many_files(
+    pytester, monkeypatch, conftest
+):
+    """Fast mode configures pytest (and imports the conftests) in a template, once per
+    environment, and forks each test from it, which collects its own file: each test
+    still has its own process, base temp and captured output, and its conftest was
+    imported with its own devices. A conftest that leaves the template unsafe to fork
+    (a thread) leaves every test to configure pytest for itself, as before."""
+    records = pytester.path / "records"
+    records.mkdir()
+    monkeypatch.setenv("RECORDS", str(records))
+    if conftest != "safe":
+        monkeypatch.setenv("START_A_THREAD", "1")
+    pytester.makeconftest(CONFIGURED_CONFTEST)
+    n = 6
+    pytester.makepyfile(**{f"test_{i}": CONFIGURED_TEST.format(i=i) for i in range(n)})
+    result = _run_fast(pytester, "--spawn-gpus", "0,1", "--spawn-jobs", "2")
+    result.assert_outcomes(passed=n - 1, failed=1)
+    ran = [(records / f"ran-{i}").read_text().split() for i in range(n)]
+    pids, tmps, seen, visible = zip(*ran, strict=True)
+    assert len(set(pids)) == n and len(set(tmps)) == n
+    assert seen == visible and set(visible) == {"0", "1"}  # its conftest saw its devices
+    configured = {int(p.name.split("-")[1]): p.read_text() for p in records.glob("configured-*")}
+    assert set(configured.values()) <= {"0", "1"}
+    own = {int(p) for p in pids} - set(configured)  # tests that did not configure pytest
+    if conftest == "safe":
+        assert own and len(configured) < n, configured
+    else:
+        assert not own, configured
+    failure = result.stdout.str().split("Captured stdout call")[1].split("short test summary")[0]
+    assert "printed by 3" in failure
+    assert not any(f"printed by {i}" in failure for i in range(n) if i != 3)
