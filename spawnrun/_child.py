@@ -126,14 +126,16 @@ def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
     a child's does (``take_over`` made it the test's child)."""
     global ACTIVE
     ACTIVE = True
-    _bytecode.start()
-    _budget.install()
+    _bytecode.start()  # its forks install the budget: each its own, once
     own = os.path.join(
         os.path.dirname(os.path.dirname(spec.stacks_path)), f"template-{os.getpid()}"
     )
     os.makedirs(own, exist_ok=True)
     stacks = open(os.path.join(own, "stacks.txt"), "w")  # noqa: SIM115 - the process's
-    relay = _Relay(dataclasses.replace(spec, stacks_path=stacks.name), None, stacks)  # type: ignore[arg-type]
+    # Its own stacks, terminal file and base temp: never its first test's.
+    options = dict(spec.option_dict, basetemp=os.path.join(own, "tmp"))
+    spec = dataclasses.replace(spec, stacks_path=stacks.name, option_dict=options)
+    relay = _Relay(spec, None, stacks)  # type: ignore[arg-type]
     os.chdir(spec.invocation_dir)
     relay.undo = [
         _availability.while_collecting(spec.cuda_available),

@@ -11,7 +11,8 @@ takes the test's spec (output, stacks, base temp, environment) and collects the 
 own file, as a child of its own would; its tests never see another test file.
 
 One template per environment and configuration: a test whose environment or options
-differ (other devices or budget) gets one of its own, at most ``LIMIT`` at once. A
+differ (other devices or budget) gets one of its own, at most ``LIMIT`` at once, started
+at the second test of its kind (a learned budget is a test's own, to the byte). A
 template that is not ready yet, or that its conftests left unsafe to fork (a thread, a
 device runtime: ``_forksafe``), leaves the test to the zygote, as before. The zygote
 relays what a template says of its forks (``Forked``, ``Exited``): the parent sees one
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import pickle
 from multiprocessing import Pipe
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -39,7 +41,9 @@ from spawnrun._forksafe import unsafe_state
 from spawnrun._leave import leave
 
 #: Configured templates alive at once in a zygote (other kinds fork from the zygote).
-LIMIT = 4
+LIMIT = 8
+#: Kinds remembered as asked for once.
+ASKED_LIMIT = 1024
 #: How long the zygote waits for a ready template's answer to a fork request.
 ANSWER_LIMIT = 10.0
 #: Variables of the parent's environment that change from test to test and that no
@@ -48,13 +52,22 @@ ANSWER_LIMIT = 10.0
 _PER_TEST = frozenset({"PYTEST_CURRENT_TEST"})
 
 
-def _kind(request: proto.ForkRequest) -> tuple[Any, ...] | None:
+def _kind(request: proto.ForkRequest) -> bytes | None:
     """What a template must share with the test it forks for (None: none may fork it)."""
     spec = request.spec
     if not spec.run_args or not spec.nodeid or spec.coverage:
         return None
     options = {k: v for k, v in spec.option_dict.items() if k != "basetemp"}
     env = sorted((k, v) for k, v in request.env.items() if k not in _PER_TEST)
+    try:
+        return pickle.dumps(_what_is_shared(spec, options, env, request))
+    except Exception:  # noqa: BLE001 - an option of the suite's own that does not pickle
+        return None
+
+
+def _what_is_shared(
+    spec: proto.ChildSpec, options: Any, env: Any, request: proto.ForkRequest
+) -> tuple[Any, ...]:
     return (
         spec.run_args,
         spec.plugin_args,
@@ -73,7 +86,7 @@ def _kind(request: proto.ForkRequest) -> tuple[Any, ...] | None:
 class _Template:
     """The zygote's end of one configured template."""
 
-    def __init__(self, kind: tuple[Any, ...], pid: int, conn: Connection) -> None:
+    def __init__(self, kind: bytes, pid: int, conn: Connection) -> None:
         self.kind = kind
         self.pid = pid
         self.conn = conn
@@ -91,6 +104,11 @@ class Pool:
         self.templates: list[_Template] = []
         #: Exit notices of tests' children, for the zygote to send on to the parent.
         self.exits: list[proto.Exited] = []
+        #: Kinds whose template refused or ended unasked: never started again.
+        self.refused: set[bytes] = set()
+        #: Kinds asked for once: a template is started at a kind's second test (a test
+        #: with a budget of its own, learned to the byte, never shares one).
+        self.asked: dict[bytes, None] = {}
 
     def watched(self) -> list[Any]:
         """What the zygote's loop waits on for the pool: templates' words and exits."""
@@ -100,9 +118,14 @@ class Pool:
         """The pid of the test's child, forked by a ready template of its kind; None:
         the zygote forks it (and a template of its kind is started, if none is)."""
         kind = _kind(request)
-        if kind is None:
+        if kind is None or kind in self.refused:
             return None
         template = next((t for t in self.templates if t.kind == kind and not t.retired), None)
+        if template is None and kind not in self.asked:
+            self.asked[kind] = None
+            if len(self.asked) > ASKED_LIMIT:
+                del self.asked[next(iter(self.asked))]
+            return None
         if template is None:
             live = [t for t in self.templates if not t.retired]
             if len(live) >= LIMIT:
@@ -137,18 +160,22 @@ class Pool:
     def on_ready(self, ready: list[Any]) -> None:
         """File what the templates among ``ready`` said, and reap those that ended."""
         for template in list(self.templates):
-            if template.conn in ready:
+            ended = template.pidfd in ready
+            if template.conn in ready or ended:
                 try:
                     while template.conn.poll():
                         self._take(template, template.conn.recv())
                 except (OSError, EOFError):
-                    template.retired = True
-            if template.pidfd in ready:
-                self.templates.remove(template)
-                os.close(template.pidfd)
-                template.conn.close()
-                with contextlib.suppress(ChildProcessError):
-                    os.waitpid(template.pid, 0)
+                    ended = True
+            if not ended:
+                continue
+            self.templates.remove(template)
+            if template.refusal or not template.retired:
+                self.refused.add(template.kind)
+            os.close(template.pidfd)
+            template.conn.close()
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(template.pid, 0)
 
     def _take(self, template: _Template, msg: Any) -> None:
         if isinstance(msg, proto.Configured):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from typing import Any
 
 from spawnrun import _probe
 
@@ -62,10 +63,9 @@ def plugin_state() -> str:
     The template has no pytest configuration, so implementations in loaded plugin or
     preloaded modules are called directly, with ``config=None``.
     """
-    for module in list(sys.modules.values()):
-        # vars(), not getattr(): a lazy module's __getattr__ could import things.
-        hook = getattr(module, "__dict__", {}).get("pytest_spawnrun_device_state")
-        if not callable(hook) or getattr(module, "__name__", "") == "spawnrun.hookspecs":
+    for module in _hooked():
+        hook = module.__dict__.get("pytest_spawnrun_device_state")
+        if not callable(hook):
             continue
         try:
             answer = hook(config=None)
@@ -74,3 +74,21 @@ def plugin_state() -> str:
         if answer:
             return str(answer)
     return ""
+
+
+#: Each module looked at (by name), and whether it defines the hook: asked at every
+#: boot and fork request, where torch alone brings ~1700 modules.
+_seen: dict[str, tuple[Any, bool]] = {}
+
+
+def _hooked() -> list[Any]:
+    """The imported modules that define ``pytest_spawnrun_device_state`` (a module's
+    own, not its hookspec's), looking only at modules not seen before."""
+    for name, module in list(sys.modules.items()):
+        seen = _seen.get(name)
+        if seen is not None and seen[0] is module:
+            continue
+        # vars(), not getattr(): a lazy module's __getattr__ could import things.
+        defines = callable(getattr(module, "__dict__", {}).get("pytest_spawnrun_device_state"))
+        _seen[name] = (module, defines and name != "spawnrun.hookspecs")
+    return [m for name, (m, defines) in _seen.items() if defines and sys.modules.get(name) is m]
