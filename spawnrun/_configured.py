@@ -12,7 +12,8 @@ own file, as a child of its own would; its tests never see another test file.
 
 One template per environment and configuration: a test whose environment or options
 differ (other devices or budget) gets one of its own, at most ``LIMIT`` at once, started
-at the second test of its kind (a learned budget is a test's own, to the byte). A
+at its kind's first test, or second where the test has a budget (a learned budget is a
+test's own, to the byte). A
 template that is not ready yet, or that its conftests left unsafe to fork (a thread, a
 device runtime: ``_forksafe``), leaves the test to the zygote, as before. The zygote
 relays what a template says of its forks (``Forked``, ``Exited``): the parent sees one
@@ -37,6 +38,7 @@ import pytest
 from spawnrun import _child
 from spawnrun import _probe
 from spawnrun import _protocol as proto
+from spawnrun._budget import BUDGET_ENV
 from spawnrun._forksafe import unsafe_state
 from spawnrun._leave import leave
 
@@ -106,8 +108,8 @@ class Pool:
         self.exits: list[proto.Exited] = []
         #: Kinds whose template refused or ended unasked: never started again.
         self.refused: set[bytes] = set()
-        #: Kinds asked for once: a template is started at a kind's second test (a test
-        #: with a budget of its own, learned to the byte, never shares one).
+        #: Kinds with a budget asked for once: their template starts at the second test
+        #: (a test with a budget of its own, learned to the byte, never shares one).
         self.asked: dict[bytes, None] = {}
 
     def watched(self) -> list[Any]:
@@ -121,7 +123,8 @@ class Pool:
         if kind is None or kind in self.refused:
             return None
         template = next((t for t in self.templates if t.kind == kind and not t.retired), None)
-        if template is None and kind not in self.asked:
+        budget = request.env.get(BUDGET_ENV)
+        if template is None and budget is not None and kind not in self.asked:
             self.asked[kind] = None
             if len(self.asked) > ASKED_LIMIT:
                 del self.asked[next(iter(self.asked))]

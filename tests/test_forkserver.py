@@ -777,7 +777,7 @@ def test_a_configured_template_configures_pytest_once_for_tests_of_many_files(
     if conftest != "safe":
         monkeypatch.setenv("START_A_THREAD", "1")
     pytester.makeconftest(CONFIGURED_CONFTEST)
-    n = 8  # 4 per device: a kind's template starts at its second test
+    n = 8
     pytester.makepyfile(**{f"test_{i}": CONFIGURED_TEST.format(i=i) for i in range(n)})
     result = _run_fast(pytester, "--spawn-gpus", "0,1", "--spawn-jobs", "2")
     result.assert_outcomes(passed=n - 1, failed=1)
