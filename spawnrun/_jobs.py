@@ -48,13 +48,11 @@ from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _starting
+from spawnrun._reports import BUDGET_PROPERTY
+from spawnrun._reports import LEARNED_PEAK
+from spawnrun._reports import WALL_PROPERTY
 
 _claims = count(1)
-#: junitxml properties: the budget a test ran with, and the peak it is learned by.
-BUDGET_PROPERTY = "spawnrun_budget_mib"
-LEARNED_PEAK = "spawnrun_device_peak_mib"
-#: A spawned test's wall time from its go to its end (its child's setup, call, teardown).
-WALL_PROPERTY = "spawnrun_wall_s"
 
 
 #: How long a child may take to boot once its turn has come (a hanging conftest).

@@ -14,6 +14,12 @@ from typing import Any
 
 import pytest
 
+#: junitxml properties: the budget a test ran with, and the peak it is learned by.
+BUDGET_PROPERTY = "spawnrun_budget_mib"
+LEARNED_PEAK = "spawnrun_device_peak_mib"
+#: A spawned test's wall time from its go to its end (its child's setup, call, teardown).
+WALL_PROPERTY = "spawnrun_wall_s"
+
 NOT_FOUND = "spawnrun: the spawned child could not find this test"
 BOOT_FAILED = "spawnrun: pytest failed in the spawned child before it reached this test"
 NO_CALL = "spawnrun: the spawned child ended without a call report for this test"

@@ -3,6 +3,8 @@
 Runs in the parent (and, inert, in every child: there it only registers the marker
 and options so the child's configuration matches the parent's). Wiring only; process
 code lives in ``_runner``, ``_jobs``, ``_loop`` and ``_drive``; decisions in ``dispatch``.
+Those are imported when a session needs them, not with the plugin: pytest loads it in
+every run, and fast mode starts its template from here (``_headstart``).
 """
 
 from __future__ import annotations
@@ -16,31 +18,26 @@ from collections.abc import Generator
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 from typing import Any
 
 import pytest
 
-from spawnrun import _boots
 from spawnrun import _bytecode
 from spawnrun import _child
 from spawnrun import _cudawatch
 from spawnrun import _devices
-from spawnrun import _drive
 from spawnrun import _early
-from spawnrun import _explain
 from spawnrun import _forkserver
 from spawnrun import _headstart
 from spawnrun import _inventory
-from spawnrun import _jobs
 from spawnrun import _learned
 from spawnrun import _packing
-from spawnrun import _poison
 from spawnrun import _probe
 from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _settings
 from spawnrun import _starting
-from spawnrun import _status
 from spawnrun._plan import CAPACITY_KEY
 from spawnrun._plan import INVENTORY_KEY
 from spawnrun._plan import ITEM_KEY
@@ -56,7 +53,10 @@ from spawnrun._plan import _should_spawn
 from spawnrun._plan import _skipped_statically
 from spawnrun._plan import _spawns
 
-SCHEDULER_KEY = pytest.StashKey[_drive.Driver]()
+if TYPE_CHECKING:
+    from spawnrun import _drive
+
+SCHEDULER_KEY: pytest.StashKey[_drive.Driver] = pytest.StashKey()
 #: Peaks measured in this run (node id -> bytes on its fullest device), for the cache.
 PEAKS_KEY = pytest.StashKey[dict[str, int]]()
 COLLECTED_KEY = pytest.StashKey[_learned.Collected]()
@@ -121,6 +121,11 @@ def pytest_configure(config: pytest.Config) -> None:
         marker = _settings.marker_name(config)
         _register_markers(config, marker, _settings.forked_alias(config, marker))
         return
+    # The run's machinery, in the parent only: children never import it.
+    from spawnrun import _drive
+    from spawnrun import _poison
+    from spawnrun import _status
+
     settings = _settings.resolve(config)
     _register_markers(config, settings.marker, settings.forked_alias)
     inventory = _inventory.inventory(settings.gpus, os.environ, settings.gpu_vendor)
@@ -435,6 +440,9 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     settings = config.stash.get(SETTINGS_KEY, None)
     if settings is None or not settings.explain:
         return None
+    from spawnrun import _boots
+    from spawnrun import _explain
+
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     scheduler = config.stash[SCHEDULER_KEY]
     fast = settings.method == "forkserver"
@@ -541,6 +549,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:
         return
+    from spawnrun import _boots
+
     if scheduler.has_core() and not _xdist_worker():
         _boots.store(config, scheduler.core.boots)
     if exitstatus == pytest.ExitCode.INTERRUPTED:
@@ -619,6 +629,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         for line in lines:
             terminalreporter.write_line(line)
     if scheduler is not None and scheduler.interrupted:
+        from spawnrun import _status
+
         terminalreporter.write_sep("!", _reports.INTERRUPTED_RUNNING)
         for running in scheduler.interrupted:
             terminalreporter.write_line(_status.describe(running))
@@ -647,12 +659,12 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> Generator[None, None,
     finally:
         _logging_report = False
     properties = dict(getattr(report, "user_properties", ()) or ())
-    peak = properties.get(_jobs.LEARNED_PEAK)
+    peak = properties.get(_reports.LEARNED_PEAK)
     if isinstance(peak, (int, float)) and report.when == "teardown":
         # Replayed here from a child, or from an xdist worker in the controller.
         if _peaks is not None:
             _peaks[report.nodeid] = int(peak * 2**20)
-    wall = properties.get(_jobs.WALL_PROPERTY)  # a spawned test's, from its go to its end
+    wall = properties.get(_reports.WALL_PROPERTY)  # a spawned test's, from its go to its end
     if isinstance(wall, (int, float)) and report.when == "teardown" and _durations is not None:
         _durations[report.nodeid] = float(wall)
 
@@ -666,7 +678,7 @@ def pytest_report_teststatus(
     # else: the short summary keeps "FAILED <nodeid>" as tools parse it.
     properties = dict(getattr(report, "user_properties", ()) or ())
     devices = properties.get("spawnrun_devices")
-    budget = properties.get(_jobs.BUDGET_PROPERTY)
+    budget = properties.get(_reports.BUDGET_PROPERTY)
     if devices and isinstance(budget, (int, float)):
         devices = f"{devices}, {_packing.show(int(budget * 2**20))}"
     if (
