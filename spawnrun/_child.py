@@ -42,6 +42,7 @@ from spawnrun import _metadata
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
+from spawnrun import _template
 from spawnrun._leave import DUMP_SIGNAL
 from spawnrun._leave import leave
 
@@ -80,20 +81,26 @@ def main(
         _metadata.while_configuring(),
     ]
     try:
-        config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.args])
-        # The conftests are loaded now: values of their types decode to their classes.
-        for name, data in spec.late_options.items():
-            setattr(config.option, name, pickle.loads(data))
-        if spec.workerinput is not None:
-            # The xdist worker this test runs for, as its plugins and fixtures see it.
-            config.workerinput = dict(spec.workerinput)  # type: ignore[attr-defined]
-        config.pluginmanager.register(relay, "spawnrun-child")
+        config = _configure(spec, spec.args, relay)
         code = config.hook.pytest_cmdline_main(config=config)
         _ended(relay, code)
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
         _failed(relay)
     relay.finish()
     leave(0)
+
+
+def _configure(spec: proto.ChildSpec, args: list[str], relay: _Relay) -> Any:
+    """pytest configured as the parent's, to collect ``args``, with ``relay`` plugged in."""
+    config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *args])
+    # The conftests are loaded now: values of their types decode to their classes.
+    for name, data in spec.late_options.items():
+        setattr(config.option, name, pickle.loads(data))
+    if spec.workerinput is not None:
+        # The xdist worker this test runs for, as its plugins and fixtures see it.
+        config.workerinput = dict(spec.workerinput)  # type: ignore[attr-defined]
+    config.pluginmanager.register(relay, "spawnrun-child")
+    return config
 
 
 def _ended(relay: _Relay, code: Any) -> None:
@@ -126,7 +133,7 @@ def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
     a child's does (``take_over`` made it the test's child)."""
     global ACTIVE
     ACTIVE = True
-    _bytecode.start()  # its forks install the budget: each its own, once
+    _bytecode.start()  # no budget here: each fork installs its own, once
     own = os.path.join(
         os.path.dirname(os.path.dirname(spec.stacks_path)), f"template-{os.getpid()}"
     )
@@ -141,12 +148,7 @@ def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
         _availability.while_collecting(spec.cuda_available),
         _metadata.while_configuring(),
     ]
-    config = pytest.Config.fromdictargs(spec.option_dict, [*spec.plugin_args, *spec.run_args])
-    for name, data in spec.late_options.items():
-        setattr(config.option, name, pickle.loads(data))
-    if spec.workerinput is not None:
-        config.workerinput = dict(spec.workerinput)  # type: ignore[attr-defined]
-    config.pluginmanager.register(relay, "spawnrun-child")
+    config = _configure(spec, spec.run_args, relay)
     config.pluginmanager.register(serving, "spawnrun-configured")
     try:
         code = config.hook.pytest_cmdline_main(config=config)
@@ -178,13 +180,7 @@ def take_over(
     capture = config.pluginmanager.get_plugin("capturemanager")
     if capture is not None:
         capture.stop_global_capturing()
-    if spec.log_path is not None:
-        fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        streams = [fd, fd]
-    for target, stream in zip((1, 2), streams, strict=False):
-        os.dup2(stream, target)
-    for stream in set(streams):
-        os.close(stream)
+    _output_to(spec.log_path, streams)
     directory = os.path.dirname(spec.stacks_path)
     _name_capture_files(directory)
     if capture is not None:
@@ -198,12 +194,19 @@ def take_over(
     relay.wanted = _wanted_paths(spec.args, spec.invocation_dir)
     config.args = list(spec.args)
     config.option.basetemp = spec.option_dict.get("basetemp")
-    factory = getattr(config, "_tmp_path_factory", None)
-    if factory is not None and config.option.basetemp:
-        # pytest keeps the session's temporary-directory factory on the config, with no
-        # public way to point it elsewhere (``_template._own_basetemp`` does the same).
-        factory._given_basetemp = Path(os.path.abspath(config.option.basetemp))
-        factory._basetemp = None
+    if config.option.basetemp:
+        _template.point_basetemp(config, config.option.basetemp)
+
+
+def _output_to(log_path: str | None, streams: list[int]) -> None:
+    """stdout and stderr to the child's log, or (-s) to the parent's ``streams``."""
+    if log_path is not None:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        streams = [fd, fd]
+    for target, stream in zip((1, 2), streams, strict=False):
+        os.dup2(stream, target)
+    for stream in set(streams):
+        os.close(stream)
 
 
 def isolate(spec: proto.ChildSpec, conn: Connection, parent: int | None = None) -> _Relay:
@@ -214,11 +217,7 @@ def isolate(spec: proto.ChildSpec, conn: Connection, parent: int | None = None) 
     # Own session and process group: the parent can kill everything the test
     # started with one killpg, and a Ctrl-C at the terminal reaches only the parent.
     os.setsid()
-    if spec.log_path is not None:
-        fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
+    _output_to(spec.log_path, [])
     stacks = open(spec.stacks_path, "w")  # noqa: SIM115 - lives as long as the process
     _arm_faulthandler(stacks)
     # And every Python process the test starts, for the stacks of a timeout.
@@ -518,8 +517,6 @@ class _Relay:
         then = [by_id[n] for n in self.spec.then if n in by_id]
         if self.spec.fork_each:
             if not unsafe:
-                from spawnrun import _template  # it imports this module
-
                 _template.fork_each(self, item, then, by_id)
                 return
             then = []  # it runs its one test itself, then ends

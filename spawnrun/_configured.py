@@ -26,6 +26,7 @@ import contextlib
 import gc
 import os
 import pickle
+from collections.abc import Callable
 from multiprocessing import Pipe
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
@@ -54,35 +55,36 @@ ANSWER_LIMIT = 10.0
 _PER_TEST = frozenset({"PYTEST_CURRENT_TEST"})
 
 
+def take_environment(request: proto.ForkRequest) -> None:
+    """The parent's environment as it was at the request, with the child's devices and
+    marks: what a fork of the zygote or of a template has before any suite code runs."""
+    for name in request.unset:
+        os.environ.pop(name, None)
+    os.environ.update(request.env)
+
+
 def _kind(request: proto.ForkRequest) -> bytes | None:
     """What a template must share with the test it forks for (None: none may fork it)."""
     spec = request.spec
     if not spec.run_args or not spec.nodeid or spec.coverage:
         return None
-    options = {k: v for k, v in spec.option_dict.items() if k != "basetemp"}
-    env = sorted((k, v) for k, v in request.env.items() if k not in _PER_TEST)
-    try:
-        return pickle.dumps(_what_is_shared(spec, options, env, request))
-    except Exception:  # noqa: BLE001 - an option of the suite's own that does not pickle
-        return None
-
-
-def _what_is_shared(
-    spec: proto.ChildSpec, options: Any, env: Any, request: proto.ForkRequest
-) -> tuple[Any, ...]:
-    return (
+    shared = (
         spec.run_args,
         spec.plugin_args,
-        options,
+        {k: v for k, v in spec.option_dict.items() if k != "basetemp"},
         spec.invocation_dir,
         spec.workerinput,
         spec.late_options,
         spec.junit_family,
         spec.cuda_available,
-        env,
+        sorted((k, v) for k, v in request.env.items() if k not in _PER_TEST),
         sorted(request.unset),
         request.live,
     )
+    try:
+        return pickle.dumps(shared)
+    except Exception:  # noqa: BLE001 - an option of the suite's own that does not pickle
+        return None
 
 
 class _Template:
@@ -116,7 +118,12 @@ class Pool:
         """What the zygote's loop waits on for the pool: templates' words and exits."""
         return [w for t in self.templates for w in (t.conn, t.pidfd)]
 
-    def fork(self, request: proto.ForkRequest, handles: list[int], start: Any) -> int | None:
+    def fork(
+        self,
+        request: proto.ForkRequest,
+        handles: list[int],
+        start: Callable[[proto.ForkRequest], tuple[int, Connection] | None],
+    ) -> int | None:
         """The pid of the test's child, forked by a ready template of its kind; None:
         the zygote forks it (and a template of its kind is started, if none is)."""
         kind = _kind(request)
@@ -210,9 +217,7 @@ def main(request: proto.ForkRequest, conn: Connection, zygote: int) -> NoReturn:
     serving = _Serving(conn)
     try:
         _probe.die_with_parent(zygote)
-        for name in request.unset:
-            os.environ.pop(name, None)
-        os.environ.update(request.env)
+        take_environment(request)
         _child.configured(request.spec, serving)
     except BaseException as exc:  # noqa: BLE001 - the zygote must hear why; it forks itself
         if serving.forked:
@@ -315,9 +320,7 @@ class _Serving:
             except (EOFError, OSError):
                 os._exit(0)  # retired before a test came
             theirs.close()
-            for name in request.unset:
-                os.environ.pop(name, None)
-            os.environ.update(request.env)
+            take_environment(request)
             return request, fd, streams
         theirs.close()
         self.spare = (pid, ours)

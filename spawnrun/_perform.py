@@ -80,9 +80,11 @@ class Performer(Units):
         # A test that may go now goes before children for later tests are started: a
         # fork request waits for the template's answer, and the test must not.
         going = {a.child for a in actions if isinstance(a, ev.Go)}
-        ahead = [a for a in actions if isinstance(a, ev.Start) and a.child not in going]
-        now = [a for a in actions if not (isinstance(a, ev.Start) and a.child not in going)]
-        for action in [*now, *ahead]:
+
+        def ahead(action: ev.Action) -> bool:
+            return isinstance(action, ev.Start) and action.child not in going
+
+        for action in sorted(actions, key=ahead):  # stable: the order within each stays
             if isinstance(action, ev.Start):
                 self._start(action)
             elif isinstance(action, ev.Go):

@@ -151,7 +151,9 @@ def _forked(relay: Any, item: Any, more: bool, serial: int, template: int, told:
         # parent's request), not among the processes below the test.
         faulthandler.register(_leave.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
         relay.send(proto.ForkedTest(os.getpid()))
-        _own_basetemp(item.config, serial)
+        base = getattr(item.config.option, "basetemp", None)
+        if base:
+            point_basetemp(item.config, f"{base}-{serial}")
         relay.current = item.nodeid
         try:
             relay._run(item, None)
@@ -169,17 +171,17 @@ def _forked(relay: Any, item: Any, more: bool, serial: int, template: int, told:
     _leave.leave(0)
 
 
-def _own_basetemp(config: Any, serial: int) -> None:
-    """A forked test's own base for ``tmp_path``, as each spawned child has one.
+def point_basetemp(config: Any, base: str) -> None:
+    """A forked test's own base for ``tmp_path``, as each spawned child has one (a
+    template's fork, a configured template's fork).
 
     pytest keeps the session's temporary-directory factory on the config, with no
     public way to point it elsewhere: its given base is replaced before any test of
     this process asks for it.
     """
     factory = getattr(config, "_tmp_path_factory", None)
-    base = getattr(config.option, "basetemp", None)
-    if factory is not None and base:
-        factory._given_basetemp = Path(os.path.abspath(f"{base}-{serial}"))
+    if factory is not None:
+        factory._given_basetemp = Path(os.path.abspath(base))
         factory._basetemp = None
 
 

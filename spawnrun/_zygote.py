@@ -322,9 +322,7 @@ def _forked_child(
             os.close(pidfd)
         # The parent's environment as it is now, with the child's devices and marks,
         # before any of the suite's code runs: as a spawned child would start.
-        for name in request.unset:
-            os.environ.pop(name, None)
-        os.environ.update(request.env)
+        _configured.take_environment(request)
         # Its parent is the template, not the multiprocessing parent it inherited.
         _child.main(request.spec, Connection(fd), forked=True, parent=parent)
     finally:
