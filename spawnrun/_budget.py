@@ -44,6 +44,14 @@ INIT_SLOTS = 1
 #: What the parent told the child about its budget, for the out-of-memory section.
 SOURCE_ENV = "SPAWNRUN_GPU_BUDGET_SOURCE"
 SECTION = "spawnrun: GPU memory budget"
+#: JAX reads these itself when its backend starts.
+XLA_PREALLOCATE_ENV = "XLA_PYTHON_CLIENT_PREALLOCATE"
+XLA_FRACTION_ENV = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+#: What a child's budget puts in its environment (``_starting.child_env``): each test's
+#: own, even in a process forked from a template that ran with another budget.
+PER_TEST_ENV = frozenset(
+    {BUDGET_ENV, SOURCE_ENV, INIT_LOCK_ENV, INIT_SLOTS_ENV, XLA_PREALLOCATE_ENV, XLA_FRACTION_ENV}
+)
 
 
 def budget() -> int | None:

@@ -4,16 +4,17 @@ Runs in the zygote (``Pool``) and in the processes it forks for it (``main``), w
 forks are the tests' children. A child forked from the zygote configures pytest itself
 (half of a trivial test's cost on the CPU: pytest builds its plugin manager, parses,
 reads the ini file, imports the conftests). A configured template does that once: the
-zygote forks it with its first test's environment (devices, budget), it configures
+zygote forks it with its first test's environment (devices), it configures
 pytest with the parent's own arguments (the conftests the parent loaded, as in-process),
 starts the session, and stops where the session would collect. Each fork of it then
 takes the test's spec (output, stacks, base temp, environment) and collects the test's
 own file, as a child of its own would; its tests never see another test file.
 
 One template per environment and configuration: a test whose environment or options
-differ (other devices or budget) gets one of its own, at most ``LIMIT`` at once, started
-at its kind's first test, or second where the test has a budget (a learned budget is a
-test's own, to the byte). A
+differ (other devices) gets one of its own, at most ``LIMIT`` at once, started at its
+kind's first test. A budget is not part of a kind (a learned one is a test's own, to the
+byte): the template runs with none, as in-process pytest does, and each fork takes its
+test's budget before any of its code runs (``_budget.install``). A
 template that is not ready yet, or that its conftests left unsafe to fork (a thread, a
 device runtime: ``_forksafe``), leaves the test to the zygote, as before. The zygote
 relays what a template says of its forks (``Forked``, ``Exited``): the parent sees one
@@ -23,6 +24,7 @@ template.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 import pickle
@@ -39,20 +41,18 @@ import pytest
 from spawnrun import _child
 from spawnrun import _probe
 from spawnrun import _protocol as proto
-from spawnrun._budget import BUDGET_ENV
+from spawnrun._budget import PER_TEST_ENV
 from spawnrun._forksafe import unsafe_state
 from spawnrun._leave import leave
 
 #: Configured templates alive at once in a zygote (other kinds fork from the zygote).
 LIMIT = 8
-#: Kinds remembered as asked for once.
-ASKED_LIMIT = 1024
 #: How long the zygote waits for a ready template's answer to a fork request.
 ANSWER_LIMIT = 10.0
-#: Variables of the parent's environment that change from test to test and that no
-#: conftest reads at import: a template keeps serving when only they differ (each
-#: fork still takes the test's own values).
-_PER_TEST = frozenset({"PYTEST_CURRENT_TEST"})
+#: Variables of a test's environment that change from test to test and that no
+#: conftest reads at import: a template keeps serving when only they differ. It runs
+#: with the parent's own values of them; each fork takes its test's.
+_PER_TEST = frozenset({"PYTEST_CURRENT_TEST", *PER_TEST_ENV})
 
 
 def take_environment(request: proto.ForkRequest) -> None:
@@ -110,9 +110,6 @@ class Pool:
         self.exits: list[proto.Exited] = []
         #: Kinds whose template refused or ended unasked: never started again.
         self.refused: set[bytes] = set()
-        #: Kinds with a budget asked for once: their template starts at the second test
-        #: (a test with a budget of its own, learned to the byte, never shares one).
-        self.asked: dict[bytes, None] = {}
 
     def watched(self) -> list[Any]:
         """What the zygote's loop waits on for the pool: templates' words and exits."""
@@ -130,12 +127,6 @@ class Pool:
         if kind is None or kind in self.refused:
             return None
         template = next((t for t in self.templates if t.kind == kind and not t.retired), None)
-        budget = request.env.get(BUDGET_ENV)
-        if template is None and budget is not None and kind not in self.asked:
-            self.asked[kind] = None
-            if len(self.asked) > ASKED_LIMIT:
-                del self.asked[next(iter(self.asked))]
-            return None
         if template is None:
             live = [t for t in self.templates if not t.retired]
             if len(live) >= LIMIT:
@@ -217,7 +208,10 @@ def main(request: proto.ForkRequest, conn: Connection, zygote: int) -> NoReturn:
     serving = _Serving(conn)
     try:
         _probe.die_with_parent(zygote)
-        take_environment(request)
+        # The zygote's values of a test's own variables (the parent's, as it started):
+        # where a conftest reads one at import, it sees what it sees in-process.
+        own = {k: v for k, v in request.env.items() if k not in _PER_TEST}
+        take_environment(dataclasses.replace(request, env=own))
         _child.configured(request.spec, serving)
     except BaseException as exc:  # noqa: BLE001 - the zygote must hear why; it forks itself
         if serving.forked:

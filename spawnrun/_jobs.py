@@ -275,10 +275,14 @@ class Job:
             self.claimed = list(devices)
         else:
             self.devices = self.claimed = list(devices)
+        self._child_env_changes(before)
+        self.deferred = False
+
+    def _child_env_changes(self, before: dict[str, str]) -> None:
+        """Send with the go what differs between the child's own variables and ours."""
         after = self.env()
         self.env_set.update({k: v for k, v in after.items() if before.get(k) != v})
         self.env_unset += [k for k in before if k not in after and k not in self.env_unset]
-        self.deferred = False
 
     def go(self) -> None:
         """Devices and a slot are ours: run now if booted, else as soon as booted."""
@@ -319,6 +323,10 @@ class Job:
         for name in donor.env_unset:
             self.environ.pop(name, None)
         self._env_changes()
+        if self.template_pid:
+            # A template's tests may differ in budget: each fork runs with its own (the
+            # template takes it before forking, the fork applies it at CUDA's init).
+            self._child_env_changes(donor.env())
         self.candidates = []
         self.started = time.monotonic()
         self.state = State.WAITING

@@ -99,13 +99,9 @@ def _scope_plan(key: str, tests: list[pytest.Item]) -> _packing.Plan:
     return replace(chosen, scope=key)
 
 
-def _needs(plan: _packing.Plan, exact: bool = False) -> str:
-    """What a test's devices are, and how it holds them: alone, or its budget (``exact``:
-    in bytes, for a key that only tests of the very same budget may share)."""
-    if plan.need is _packing.ALONE:
-        budget = "alone"
-    else:
-        budget = f"{plan.need} bytes" if exact else _packing.show(plan.need)
+def _needs(plan: _packing.Plan) -> str:
+    """What a test's devices are, and how it holds them: alone, or its budget."""
+    budget = "alone" if plan.need is _packing.ALONE else _packing.show(plan.need)
     return f"{'every GPU' if plan.every else plan.count}, {budget}"
 
 
@@ -167,9 +163,9 @@ RUN_TEMPLATE = " of the run"
 def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
     """The template a test of its own is forked from in fast mode ("": none).
 
-    One per file, devices and budget (``--spawn-template run``: one per devices and
-    budget for the run's files): its tests run one after another, each in a fork of the
-    process that collected their files. Marked tests with a memory budget keep children
+    One per file and devices, for tests alone on them or with a budget (``--spawn-template
+    run``: the same for the run's files): its tests run one after another, each in a fork
+    of the process that collected their files, with its own budget. Marked tests with a memory budget keep children
     of their own, which may run side by side on a device.
     """
     if settings.method != "forkserver" or settings.template == "library":
@@ -177,9 +173,11 @@ def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
     plan = item.stash[PLAN_KEY]
     if plan.count and plan.need is not _packing.ALONE:
         return ""
-    # One per exact budget: a fork runs with the budget its template's first test was
-    # started with (a Go names the next test, not its environment).
-    needs = _needs(plan, exact=True)
+    # Tests alone on their devices apart from those with budgets (the dispatcher runs
+    # them one way or the other); budgets differ within a template, as each fork takes
+    # its own with its Go.
+    held = "alone" if plan.need is _packing.ALONE else "a budget each"
+    needs = f"{'every GPU' if plan.every else plan.count}, {held}"
     if settings.template == "run":
         return f"{_packing.TEMPLATE_SCOPE}[{needs}]{RUN_TEMPLATE}"
     where = item.nodeid.split("::")[0]

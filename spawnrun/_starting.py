@@ -36,6 +36,8 @@ from spawnrun._budget import INIT_LOCK_ENV
 from spawnrun._budget import INIT_SLOTS
 from spawnrun._budget import INIT_SLOTS_ENV
 from spawnrun._budget import SOURCE_ENV
+from spawnrun._budget import XLA_FRACTION_ENV
+from spawnrun._budget import XLA_PREALLOCATE_ENV
 
 _serial = count(1)
 
@@ -91,14 +93,14 @@ def child_env(
         # (``_budget``), JAX reads these itself.
         env[BUDGET_ENV] = str(need)
         env[SOURCE_ENV] = plan.budget_source
-        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+        env[XLA_PREALLOCATE_ENV] = "false"
         if devices:
             env[INIT_LOCK_ENV] = str(_init_lock(config, devices[0]))
             env[INIT_SLOTS_ENV] = os.environ.get(INIT_SLOTS_ENV, str(INIT_SLOTS))
         sizes = [capacity.get(d) for d in devices or capacity]
         known = [c for c in sizes if c]
         if known and len(known) == len(sizes):
-            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(1.0, need / min(known)):.4f}"
+            env[XLA_FRACTION_ENV] = f"{min(1.0, need / min(known)):.4f}"
     return env
 
 

@@ -616,7 +616,8 @@ def test_each_fork_of_a_template_runs_with_its_own_learned_budget(pytester):
     different learned budgets, and each fork ran with the budget of the template's first
     test (a Go tells an adopted child its test, not its budget): tests whose peak was
     over that budget ran out of memory, where in-process they pass. Each test runs with
-    its own budget, as its report says (tests of one budget share a template)."""
+    its own budget, as its report says, and tests of three budgets share one template
+    (the Go carries each fork's budget)."""
     pytester.makepyfile(
         test_many="import json, os, pytest\n\n@pytest.mark.parametrize('i', range(6))\n"
         "def test_it(i, record_property):\n"
@@ -640,4 +641,65 @@ def test_each_fork_of_a_template_runs_with_its_own_learned_budget(pytester):
     assert len({seen for seen, _ in budgets.values()}) == 3, budgets
     for seen, told in budgets.values():
         assert round(int(seen) / 2**20) == round(float(told)), budgets
-    result.stdout.fnmatch_lines(["6 tests isolated in 6 children (6 forked from 3 templates*"])
+    result.stdout.fnmatch_lines(["6 tests isolated in 6 children (6 forked from 1 template*"])
+
+
+BUDGET_CONFTEST = """
+import os
+import spawnrun
+
+SEEN = os.environ.get("SPAWNRUN_GPU_BUDGET")
+
+def pytest_configure(config):
+    if spawnrun.is_child():
+        with open(os.path.join(os.environ["RECORDS"], f"configured-{os.getpid()}"), "w") as f:
+            f.write(str(SEEN))
+"""
+
+
+def test_a_configured_template_forks_tests_of_other_budgets_each_with_its_own(
+    pytester, monkeypatch
+):
+    """Tests in files of their own with learned budgets (timm's model tests on a second
+    run, one per file here) fork from one configured template, as tests without a
+    budget do: the template runs with none (its conftest saw none, as in-process), and
+    each fork with its test's own, or none where the test has no record. Before, a
+    budget was part of a template's kind, and no learned budget is another test's."""
+    records = pytester.path / "records"
+    records.mkdir()
+    monkeypatch.setenv("RECORDS", str(records))
+    pytester.makeconftest(BUDGET_CONFTEST)
+    n = 6
+    body = (
+        "import os, time\n\ndef test_it():\n    time.sleep(0.3)\n"
+        "    with open(os.path.join(os.environ['RECORDS'], 'ran-{i}'), 'w') as f:\n"
+        "        f.write(f\"{{os.getpid()}} {{os.environ.get('SPAWNRUN_GPU_BUDGET')}}\")\n"
+    )
+    pytester.makepyfile(**{f"test_{i}": body.format(i=i) for i in range(n)})
+    # Every test but the last has a record of its own.
+    peaks = {f"test_{i}.py::test_it": (1 + i) * GiB for i in range(n - 1)}
+    cache = pytester.path / ".pytest_cache" / "v" / "spawnrun"
+    cache.mkdir(parents=True)
+    (cache / "peaks").write_text(json.dumps(peaks))
+    result = pytester.runpytest_subprocess(
+        "--spawn-gpu", "--spawn-method", "forkserver", "--spawn-jobs", "1",
+        "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--junitxml=out.xml",
+        "-o", "junit_family=xunit1",
+    )  # fmt: skip
+    result.assert_outcomes(passed=n)
+    told = {}
+    for case in ElementTree.parse(pytester.path / "out.xml").getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        told[case.get("classname")] = props.get("spawnrun_budget_mib")
+    ran = {i: (records / f"ran-{i}").read_text().split() for i in range(n)}
+    for i, (_, seen) in ran.items():
+        mib = told[f"test_{i}"]
+        if i == n - 1:
+            assert seen == "None" and mib is None, (seen, mib)
+        else:
+            assert round(int(seen) / 2**20) == round(float(mib)), (i, seen, mib)
+    configured = {int(p.name.split("-")[1]): p.read_text() for p in records.glob("configured-*")}
+    own = {int(pid) for pid, _ in ran.values()} - set(configured)
+    assert own and len(configured) < n, configured  # forked from a configured template
+    templates = set(configured) - {int(pid) for pid, _ in ran.values()}
+    assert templates and all(configured[pid] == "None" for pid in templates), configured
