@@ -165,8 +165,8 @@ def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
 
     One per file and devices, for tests alone on them or with a budget (``--spawn-template
     run``: the same for the run's files): its tests run one after another, each in a fork
-    of the process that collected their files, with its own budget. Marked tests with a memory budget keep children
-    of their own, which may run side by side on a device.
+    of the process that collected their files, with its own budget. Marked tests with a
+    memory budget keep children of their own, which may run side by side on a device.
     """
     if settings.method != "forkserver" or settings.template == "library":
         return ""
