@@ -76,19 +76,32 @@ def plugin_state() -> str:
     return ""
 
 
-#: Each module looked at (by name), and whether it defines the hook: asked at every
-#: boot and fork request, where torch alone brings ~1700 modules.
-_seen: dict[str, tuple[Any, bool]] = {}
+#: The imported modules that define the hook, by name. ``sys.modules`` keeps names in
+#: the order they were added: only those added since the last look are looked at (torch
+#: alone brings ~1700 modules, and in a fork every module looked at is a page copied).
+_definers: dict[str, Any] = {}
+#: How many names ``sys.modules`` had at the last look, and the last of them.
+_looked: tuple[int, str | None] = (0, None)
 
 
 def _hooked() -> list[Any]:
     """The imported modules that define ``pytest_spawnrun_device_state`` (a module's
-    own, not its hookspec's), looking only at modules not seen before."""
-    for name, module in list(sys.modules.items()):
-        seen = _seen.get(name)
-        if seen is not None and seen[0] is module:
-            continue
+    own, not its hookspec's). A name whose module was replaced since it was looked at
+    is not looked at again."""
+    global _looked
+    count, last = _looked
+    added = []
+    for name in reversed(sys.modules):
+        if name == last:
+            break
+        added.append(name)
+    if len(sys.modules) - count != len(added):  # some were removed: look at them all
+        added = list(sys.modules)
+    _looked = (len(sys.modules), next(reversed(sys.modules), None))
+    for name in added:
         # vars(), not getattr(): a lazy module's __getattr__ could import things.
-        defines = callable(getattr(module, "__dict__", {}).get("pytest_spawnrun_device_state"))
-        _seen[name] = (module, defines and name != "spawnrun.hookspecs")
-    return [m for name, (m, defines) in _seen.items() if defines and sys.modules.get(name) is m]
+        module = sys.modules.get(name)
+        hook = getattr(module, "__dict__", {}).get("pytest_spawnrun_device_state")
+        if callable(hook) and name != "spawnrun.hookspecs":
+            _definers[name] = module
+    return [m for name, m in _definers.items() if sys.modules.get(name) is m]
