@@ -35,6 +35,7 @@ from typing import Any
 
 from spawnrun import _bytecode
 from spawnrun import _coverage
+from spawnrun import _declared
 from spawnrun import _learned
 from spawnrun import _probe
 from spawnrun import _protocol as proto
@@ -297,13 +298,16 @@ class ZygoteHolder:
         self.base = base_modules(config, self.preload)
         self._remembered(config)
         self.rewrite = rewrite_of(config)
-        # Plugins' modules, what earlier runs' tests imported (learned preloads), and the
-        # libraries the conftests imported (torch, at once rather than after collection).
+        # Plugins' modules, what earlier runs' tests imported (learned preloads), the
+        # libraries the conftests imported (torch, at once rather than after collection)
+        # and those the test files import, read (a first run's learned preloads).
+        args = [str(a) for a in config.args]
         wanted = _dedupe(
             [
                 *plugin_modules(config, self.rootdir),
                 *_learned.preloads(config),
                 *library_modules(self.rootdir),
+                *_declared.test_file_imports(config, self.rootdir, args),
             ]
         )
         self.optional = [m for m in wanted if m not in self.base and self.may_keep(m)]

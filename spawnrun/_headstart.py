@@ -22,10 +22,8 @@ fitted (``--cache-clear`` forgets it too).
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
-import importlib.util
 import os
 import shutil
 import sys
@@ -38,6 +36,7 @@ import pytest
 
 from spawnrun import _bytecode
 from spawnrun import _child
+from spawnrun import _declared
 from spawnrun import _forkserver
 from spawnrun import _learned
 from spawnrun import _probe
@@ -163,7 +162,8 @@ def start(config: pytest.Config) -> None:
     rewrite = _forkserver.rewrite_of(config)
     wanted = [
         *_forkserver.plugin_modules(config, rootdir),
-        *conftest_imports(config, rootdir),
+        *_declared.conftest_imports(config, rootdir),
+        *_declared.test_file_imports(config, rootdir, _declared.named_paths(config)),
         *_learned.preloads(early),  # type: ignore[arg-type]
         *_cached_modules(early.cache),
     ]
@@ -197,58 +197,6 @@ def start(config: pytest.Config) -> None:
         return
     if optional:
         head.zygote.preload(optional)
-
-
-def conftest_imports(config: pytest.Config, rootdir: Path) -> list[str]:
-    """The libraries the initial conftests import at their top level, read, not run.
-
-    A first run has nothing in the cache yet; the conftests pytest is about to load
-    (in the rootdir and down to each directory the command line names, and the ``test*``
-    folders there) say what the parent will import first (torch). Only libraries that
-    lie outside the rootdir; the checks at session start apply as to the rest.
-    """
-    base = config.invocation_params.dir
-    args = [str(a).split("::")[0] for a in config.known_args_namespace.file_or_dir or []]
-    folders: set[Path] = set()
-    for arg in args or [str(base)]:
-        path = (base / arg).resolve()
-        folder = path if path.is_dir() else path.parent
-        with contextlib.suppress(OSError):
-            folders.update(p for p in folder.iterdir() if p.is_dir() and p.name.startswith("test"))
-        while folder.is_relative_to(rootdir):
-            folders.add(folder)
-            if folder == rootdir:
-                break
-            folder = folder.parent
-    names: list[str] = []
-    for folder in sorted(folders):
-        try:
-            tree = ast.parse((folder / "conftest.py").read_bytes())
-        except (OSError, SyntaxError, ValueError):
-            continue
-        for node in tree.body:
-            if isinstance(node, ast.Import):
-                names += [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                names.append(node.module)
-    return [n for n in _dedupe(names) if _library(n.partition(".")[0], rootdir)]
-
-
-def _library(top: str, rootdir: Path) -> bool:
-    """Whether top-level module ``top`` is found outside the rootdir (not imported)."""
-    if top in sys.stdlib_module_names or top in ("pytest", "_pytest", "spawnrun"):
-        return False
-    module = sys.modules.get(top)
-    origin = getattr(module, "__file__", None)
-    if module is None:
-        try:
-            spec = importlib.util.find_spec(top)
-        except (ImportError, ValueError):
-            return False
-        origin = spec.origin if spec is not None else None
-    if not origin or not os.path.isabs(origin):
-        return False
-    return not Path(origin).resolve().is_relative_to(rootdir)
 
 
 def remember(config: pytest.Config, holder: _forkserver.ZygoteHolder) -> None:

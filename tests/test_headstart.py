@@ -176,3 +176,34 @@ def test_cache_clear_starts_from_nothing_learned(pytester, monkeypatch):
         result.assert_outcomes(passed=1)
         stamps = pytester.path / "imports.txt"
         assert len(_imports(pytester) if stamps.exists() else []) == imported, args
+
+
+@pytest.mark.parametrize("cache", ["cache", "no-cache"])
+def test_the_template_imports_what_the_test_files_import_while_the_parent_collects(
+    pytester, monkeypatch, cache
+):
+    """A first run has learned nothing, and no conftest names the library: the test
+    files do. The template reads their imports and imports the library while the parent
+    collects them (before, only once the parent's collection was over, so the first
+    test waited for the same import a second time), with pytest's cache (the early
+    template) or without it (the one started at session start)."""
+    monkeypatch.setenv("PYTHONPATH", _libs(pytester, monkeypatch, "libs", "site"), prepend=":")
+    collecting = textwrap.dedent(
+        """
+        import time
+        import spawnrun
+        if not spawnrun.is_child():  # the parent's collection goes on a while
+            time.sleep(2)
+            with open("parent.json", "w") as f:
+                f.write(f"[{os.getpid()}, {time.time()}]")
+        """
+    )
+    pytester.makepyfile(test_mine=textwrap.dedent(SUITE) + collecting)
+    args = ["-p", "no:cacheprovider"] if cache == "no-cache" else []
+    seen = _run(pytester, *args)
+    parent, collected = json.loads((pytester.path / "parent.json").read_text())
+    imports = {pid: start for pid, start, _ in _imports(pytester)}
+    template = [pid for pid in imports if pid != parent]
+    assert len(template) == 1, imports  # the forks had it from their template
+    assert imports[template[0]] < collected
+    assert [row[2] for row in seen] == [False, False]
