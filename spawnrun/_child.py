@@ -319,7 +319,7 @@ class _Relay:
         #: Where the child's terminal reporter writes (set at configure).
         self.sink: _Sink | None = None
         #: The modules the process had once booted (None: not booted).
-        self.boot_modules: frozenset[str] | None = None
+        self.boot_modules: _libraries.Mark | None = None
         #: Undo what only its configuration and collection may see (``_availability``,
         #: ``_metadata``), before the test runs.
         self.undo: list[Callable[[], None]] = []
@@ -492,7 +492,7 @@ class _Relay:
             return
         unsafe = _zygote_refusal() if self.spec.fork_each else ""
         touched = _forksafe.boot_touch()
-        self.boot_modules = frozenset(sys.modules)
+        self.boot_modules = _libraries.mark()
         self.send(
             proto.Booted(os.getpid(), True, not_a_template=unsafe, waited=waited, touched=touched)
         )
@@ -578,7 +578,7 @@ class _Relay:
         if self.boot_modules is None or self.config is None:
             return []
         found = _libraries.imported_since(self.boot_modules, Path(str(self.config.rootpath)))
-        self.boot_modules = frozenset(sys.modules)
+        self.boot_modules = _libraries.mark()
         return found[:_MAX_IMPORTED]
 
     def _done_for_now(self) -> None:

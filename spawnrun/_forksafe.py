@@ -1,7 +1,8 @@
 """Whether forking this process now is safe: the template's rules, asked by any process.
 
 Runs in a template (before it forks its file's tests) and in a child (whether its scope
-may fork). Imports only ``_probe``: both sides import it, so neither imports the other.
+may fork). Imports only ``_probe`` and ``_libraries``: both sides import it, so neither
+imports the other.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import sys
 import warnings
 from typing import Any
 
+from spawnrun import _libraries
 from spawnrun import _probe
 
 
@@ -76,12 +78,11 @@ def plugin_state() -> str:
     return ""
 
 
-#: The imported modules that define the hook, by name. ``sys.modules`` keeps names in
-#: the order they were added: only those added since the last look are looked at (torch
-#: alone brings ~1700 modules, and in a fork every module looked at is a page copied).
+#: The imported modules that define the hook, by name, and where ``sys.modules`` stood
+#: when it was last looked at: only names added since are looked at (torch alone brings
+#: ~1700 modules, and in a fork every module looked at is a page copied).
 _definers: dict[str, Any] = {}
-#: How many names ``sys.modules`` had at the last look, and the last of them.
-_looked: tuple[int, str | None] = (0, None)
+_looked: _libraries.Mark = (0, None)
 
 
 def _hooked() -> list[Any]:
@@ -89,15 +90,8 @@ def _hooked() -> list[Any]:
     own, not its hookspec's). A name whose module was replaced since it was looked at
     is not looked at again."""
     global _looked
-    count, last = _looked
-    added = []
-    for name in reversed(sys.modules):
-        if name == last:
-            break
-        added.append(name)
-    if len(sys.modules) - count != len(added):  # some were removed: look at them all
-        added = list(sys.modules)
-    _looked = (len(sys.modules), next(reversed(sys.modules), None))
+    added = _libraries.added_since(_looked)
+    _looked = _libraries.mark()
     for name in added:
         # vars(), not getattr(): a lazy module's __getattr__ could import things.
         module = sys.modules.get(name)
