@@ -59,7 +59,7 @@ class Driver(Performer):
             need=plan.need,
             every=plan.every,
             scope=plan.scope,
-            forked=plan.scope.startswith(_packing.TEMPLATE_SCOPE),
+            forked=plan.forked,
             key=early_key(str(item.path), plan),
             file=str(item.path),
             duration=self.durations.get(item.nodeid),

@@ -56,7 +56,7 @@ def describe(
         else:
             parts.append(f"budget {_packing.show(plan.need)} ({plan.budget_source})")
     parts.append(f"timeout {'none' if plan.timeout is None else f'{plan.timeout:g} s'}")
-    if plan.scope.startswith(_packing.TEMPLATE_SCOPE):
+    if plan.forked:
         parts.append(f"forked from {plan.scope} (fast mode)")
     elif plan.scope:
         parts.append(f"shares a child: {plan.scope}")

@@ -214,7 +214,7 @@ class Job:
         self.environ = dict(os.environ)
         started = time.monotonic()
         try:
-            template = self.plan.scope.startswith(_packing.TEMPLATE_SCOPE)
+            template = self.plan.forked
             args = self.candidates[0]
             env, then = self.env(), self.then
             early = None

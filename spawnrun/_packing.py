@@ -185,10 +185,15 @@ def default_per_gpu(cpus: int, gpus: int) -> int:
 TEMPLATE_SCOPE = "template "
 
 
+def is_template(scope: str) -> bool:
+    """Whether ``scope`` is a template's, whose tests are forked from it one by one."""
+    return scope.startswith(TEMPLATE_SCOPE)
+
+
 def shared_scope(scope: str) -> str:
     """The scope whose child runs a test's setup, call and teardown among others' ("": a
     process of its own: none, or a file's template, which forks one for each test)."""
-    return "" if scope.startswith(TEMPLATE_SCOPE) else scope
+    return "" if is_template(scope) else scope
 
 
 @dataclass(frozen=True)
@@ -211,3 +216,8 @@ class Plan:
     #: The scope whose tests share one child ("module test_x.py", "group llm"; "": a
     #: child of its own), or the template their forks come from (``TEMPLATE_SCOPE``).
     scope: str = ""
+
+    @property
+    def forked(self) -> bool:
+        """It is forked from a template that collected its file (fast mode)."""
+        return is_template(self.scope)

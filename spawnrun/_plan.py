@@ -46,7 +46,7 @@ def _scopes(
     gpus = len(config.stash[INVENTORY_KEY].ids)
     members = _split_templates(members, limit, gpus)
     for key, tests in members.items():
-        if key.startswith(_packing.TEMPLATE_SCOPE):
+        if _packing.is_template(key):
             # Same devices and need (the key says so); each keeps why it runs alone.
             for item in tests:
                 item.stash[PLAN_KEY] = replace(item.stash[PLAN_KEY], scope=key)
@@ -135,7 +135,7 @@ def _split_templates(
     """
     split: dict[str, list[pytest.Item]] = {}
     for key, tests in members.items():
-        if not key.startswith(_packing.TEMPLATE_SCOPE):
+        if not _packing.is_template(key):
             split[key] = tests
             continue
         plan = tests[0].stash[PLAN_KEY]
