@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import fnmatch
+import glob
 import importlib.util
 import os
 import re
@@ -91,6 +92,19 @@ def test_file_imports(config: Any, rootdir: Path, args: list[str]) -> list[str]:
 def named_paths(config: Any) -> list[str]:
     """The paths the command line names (before pytest has parsed it in full)."""
     return [str(a).split("::")[0] for a in config.known_args_namespace.file_or_dir or []]
+
+
+def paths_to_collect(config: Any) -> list[str]:
+    """What pytest will collect, before it has parsed its command line in full: the
+    paths it names, else ``testpaths`` where pytest runs from the rootdir (as pytest
+    takes them then), else the working directory."""
+    named = named_paths(config)
+    if named or Path(config.invocation_params.dir) != Path(config.rootpath):
+        return named
+    found: list[str] = []
+    for pattern in config.getini("testpaths") or []:
+        found += sorted(glob.glob(str(pattern), root_dir=config.rootpath)) or []
+    return found
 
 
 def _test_files(config: Any, args: list[str]) -> Iterator[Path]:

@@ -163,7 +163,7 @@ def start(config: pytest.Config) -> None:
     wanted = [
         *_forkserver.plugin_modules(config, rootdir),
         *_declared.conftest_imports(config, rootdir),
-        *_declared.test_file_imports(config, rootdir, _declared.named_paths(config)),
+        *_declared.test_file_imports(config, rootdir, _declared.paths_to_collect(config)),
         *_learned.preloads(early),  # type: ignore[arg-type]
         *_cached_modules(early.cache),
     ]

@@ -178,7 +178,7 @@ def test_cache_clear_starts_from_nothing_learned(pytester, monkeypatch):
         assert len(_imports(pytester) if stamps.exists() else []) == imported, args
 
 
-@pytest.mark.parametrize("cache", ["cache", "no-cache"])
+@pytest.mark.parametrize("cache", ["cache", "no-cache", "testpaths"])
 def test_the_template_imports_what_the_test_files_import_while_the_parent_collects(
     pytester, monkeypatch, cache
 ):
@@ -186,7 +186,10 @@ def test_the_template_imports_what_the_test_files_import_while_the_parent_collec
     files do. The template reads their imports and imports the library while the parent
     collects them (before, only once the parent's collection was over, so the first
     test waited for the same import a second time), with pytest's cache (the early
-    template) or without it (the one started at session start)."""
+    template) or without it (the one started at session start). With no paths named,
+    the early template reads the ``testpaths`` pytest collects, not whatever test files
+    come first below the rootdir (more of them than it reads, here): it imports the
+    library while the parent's conftest is still being imported."""
     monkeypatch.setenv("PYTHONPATH", _libs(pytester, monkeypatch, "libs", "site"), prepend=":")
     collecting = textwrap.dedent(
         """
@@ -198,7 +201,24 @@ def test_the_template_imports_what_the_test_files_import_while_the_parent_collec
                 f.write(f"[{os.getpid()}, {time.time()}]")
         """
     )
-    pytester.makepyfile(test_mine=textwrap.dedent(SUITE) + collecting)
+    suite = textwrap.dedent(SUITE) + collecting
+    if cache == "testpaths":
+        pytester.makeini("[pytest]\ntestpaths = tests\n")
+        (pytester.path / "tests").mkdir()
+        (pytester.path / "tests" / "test_mine.py").write_text(suite)
+        decoys = pytester.path / "a_decoys"
+        decoys.mkdir()
+        for i in range(70):
+            (decoys / f"test_decoy{i}.py").write_text("def test_x():\n    pass\n")
+        pytester.makeconftest(
+            "import time, spawnrun\n"
+            "if not spawnrun.is_child():\n"
+            "    time.sleep(2)\n"
+            "    with open('conftest.json', 'w') as f:\n"
+            "        f.write(str(time.time()))\n"
+        )
+    else:
+        pytester.makepyfile(test_mine=suite)
     args = ["-p", "no:cacheprovider"] if cache == "no-cache" else []
     seen = _run(pytester, *args)
     parent, collected = json.loads((pytester.path / "parent.json").read_text())
@@ -206,4 +226,6 @@ def test_the_template_imports_what_the_test_files_import_while_the_parent_collec
     template = [pid for pid in imports if pid != parent]
     assert len(template) == 1, imports  # the forks had it from their template
     assert imports[template[0]] < collected
+    if cache == "testpaths":
+        assert imports[template[0]] < float((pytester.path / "conftest.json").read_text())
     assert [row[2] for row in seen] == [False, False]
