@@ -1,12 +1,14 @@
-"""What the suite's files import at their top level, read, not run (in the parent).
+"""What the suite's files import at their top level, read, not run.
 
-Fast mode's template imports the libraries a test's child would import (torch) ahead of
-the tests, so that a fork finds them imported. After collection, what collection
-imported is known (``_forkserver``'s automatic preload); what earlier runs imported is in
-pytest's cache (``_learned``). A first run, or one without the cache, knows neither
-until the parent has collected, and the template then imported torch only after the
-parent had (on two cores: the first test forked 0.9 s after collection ended). Read from
-the files instead, before collection, the template's imports overlap the parent's own.
+Runs in the parent, before collection: for the template started early and for the one
+started at session start. Fast mode's template imports the libraries a test's child
+would import (torch) ahead of the tests, so that a fork finds them imported. After
+collection, what collection imported is known (``_forkserver``'s automatic preload);
+what earlier runs imported is in pytest's cache (``_learned``). A first run, or one
+without the cache, knows neither until the parent has collected, and the template then
+imported torch only after the parent had (on two cores: the first test forked 0.9 s
+after collection ended). Read from the files instead, before collection, the
+template's imports overlap the parent's own.
 
 Only names found outside the rootdir count (installed libraries, never the suite's own
 modules), and only what a top-level ``import`` or ``from`` line names: the checks that
