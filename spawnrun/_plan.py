@@ -99,10 +99,11 @@ def _scope_plan(key: str, tests: list[pytest.Item]) -> _packing.Plan:
     return replace(chosen, scope=key)
 
 
-def _needs(plan: _packing.Plan) -> str:
-    """What a test's devices are, and how it holds them: alone, or its budget."""
-    budget = "alone" if plan.need is _packing.ALONE else _packing.show(plan.need)
-    return f"{'every GPU' if plan.every else plan.count}, {budget}"
+def _needs(plan: _packing.Plan, budget: str = "") -> str:
+    """What a test's devices are, and how it holds them: alone, or ``budget`` (its own,
+    shown, when none is given)."""
+    held = "alone" if plan.need is _packing.ALONE else budget or _packing.show(plan.need)
+    return f"{'every GPU' if plan.every else plan.count}, {held}"
 
 
 def _scope_key(item: pytest.Item, settings: _settings.Settings) -> str:
@@ -176,8 +177,7 @@ def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
     # Tests alone on their devices apart from those with budgets (the dispatcher runs
     # them one way or the other); budgets differ within a template, as each fork takes
     # its own with its Go.
-    held = "alone" if plan.need is _packing.ALONE else "a budget each"
-    needs = f"{'every GPU' if plan.every else plan.count}, {held}"
+    needs = _needs(plan, "a budget each")
     if settings.template == "run":
         return f"{_packing.TEMPLATE_SCOPE}[{needs}]{RUN_TEMPLATE}"
     where = item.nodeid.split("::")[0]

@@ -611,6 +611,27 @@ def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, st
     second.stdout.fnmatch_lines(["*ran again alone*: test_side.py::test_declared"])
 
 
+def _run_fast_on_peaks(
+    pytester: pytest.Pytester, peaks: dict[str, int]
+) -> tuple[pytest.RunResult, dict[tuple[str, str], dict[str, str]]]:
+    """A fast-mode run of the inner suite under ``--spawn-gpu`` on one declared 80 GiB
+    device, one test at a time, as a second run whose first recorded ``peaks``; each
+    test's junit properties, by (classname, name)."""
+    cache = pytester.path / ".pytest_cache" / "v" / "spawnrun"
+    cache.mkdir(parents=True)
+    (cache / "peaks").write_text(json.dumps(peaks))
+    result = pytester.runpytest_subprocess(
+        "--spawn-gpu", "--spawn-method", "forkserver", "--spawn-jobs", "1",
+        "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--junitxml=out.xml",
+        "-o", "junit_family=xunit1",
+    )  # fmt: skip
+    properties = {}
+    for case in ElementTree.parse(pytester.path / "out.xml").getroot().iter("testcase"):
+        props = {p.get("name"): p.get("value") or "" for p in case.iter("property")}
+        properties[(case.get("classname") or "", case.get("name") or "")] = props
+    return result, properties
+
+
 def test_each_fork_of_a_template_runs_with_its_own_learned_budget(pytester):
     """timm's model tests on the H200 (run 44): a file's template forked tests of
     different learned budgets, and each fork ran with the budget of the template's first
@@ -624,20 +645,12 @@ def test_each_fork_of_a_template_runs_with_its_own_learned_budget(pytester):
         "    record_property('budget_seen', os.environ.get('SPAWNRUN_GPU_BUDGET'))\n"
     )
     peaks = {f"test_many.py::test_it[{i}]": (1 + i // 2) * 2**30 for i in range(6)}
-    cache = pytester.path / ".pytest_cache" / "v" / "spawnrun"
-    cache.mkdir(parents=True)
-    (cache / "peaks").write_text(json.dumps(peaks))
-    result = pytester.runpytest_subprocess(
-        "--spawn-gpu", "--spawn-method", "forkserver", "--spawn-jobs", "1",
-        "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--junitxml=out.xml",
-        "-o", "junit_family=xunit1",
-    )  # fmt: skip
+    result, properties = _run_fast_on_peaks(pytester, peaks)
     result.assert_outcomes(passed=6)
-    cases = ElementTree.parse(pytester.path / "out.xml").getroot().iter("testcase")
-    budgets = {}
-    for case in cases:
-        props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        budgets[case.get("name")] = (props["budget_seen"], props["spawnrun_budget_mib"])
+    budgets = {
+        name: (props["budget_seen"], props["spawnrun_budget_mib"])
+        for (_, name), props in properties.items()
+    }
     assert len({seen for seen, _ in budgets.values()}) == 3, budgets
     for seen, told in budgets.values():
         assert round(int(seen) / 2**20) == round(float(told)), budgets
@@ -678,19 +691,9 @@ def test_a_configured_template_forks_tests_of_other_budgets_each_with_its_own(
     pytester.makepyfile(**{f"test_{i}": body.format(i=i) for i in range(n)})
     # Every test but the last has a record of its own.
     peaks = {f"test_{i}.py::test_it": (1 + i) * GiB for i in range(n - 1)}
-    cache = pytester.path / ".pytest_cache" / "v" / "spawnrun"
-    cache.mkdir(parents=True)
-    (cache / "peaks").write_text(json.dumps(peaks))
-    result = pytester.runpytest_subprocess(
-        "--spawn-gpu", "--spawn-method", "forkserver", "--spawn-jobs", "1",
-        "--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--junitxml=out.xml",
-        "-o", "junit_family=xunit1",
-    )  # fmt: skip
+    result, properties = _run_fast_on_peaks(pytester, peaks)
     result.assert_outcomes(passed=n)
-    told = {}
-    for case in ElementTree.parse(pytester.path / "out.xml").getroot().iter("testcase"):
-        props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        told[case.get("classname")] = props.get("spawnrun_budget_mib")
+    told = {cls: props.get("spawnrun_budget_mib") for (cls, _), props in properties.items()}
     ran = {i: (records / f"ran-{i}").read_text().split() for i in range(n)}
     for i, (_, seen) in ran.items():
         mib = told[f"test_{i}"]
