@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from spawnrun._libraries import real_path
+
 #: At most this many test files are read (in the order collection would reach them),
 #: in at most this many folders: a suite's files import much the same libraries.
 MAX_FILES = 64
@@ -156,4 +158,5 @@ def found_outside(top: str, rootdir: Path) -> bool:
         origin = spec.origin if spec is not None else None
     if not origin or not os.path.isabs(origin):
         return False
-    return not Path(origin).resolve().is_relative_to(rootdir)
+    path = real_path(origin)
+    return path is not None and not path.is_relative_to(rootdir)
