@@ -5,7 +5,9 @@ the initial conftests, and a conftest that imports torch (kornia's, vLLM's) made
 for that import, then pay the same import again itself (seconds on a GPU image), before
 the first test could fork. Started from ``pytest_load_initial_conftests`` instead, with
 what the last run's template imported (kept in pytest's cache), its imports overlap the
-parent's own.
+parent's own. Without the cache (``-p no:cacheprovider``, ``--cache-clear``) it starts
+all the same, with what the conftests and test files import; where children keep their
+bytecode (``_bytecode``), it makes the run's directory for that, which the session takes.
 
 What the template gets must be what it would have got at session start, since nothing
 that a library may read while it is imported can be changed afterwards. At session start
@@ -148,13 +150,21 @@ def start(config: pytest.Config) -> None:
         return
     if settings.method != "forkserver" or not settings.runs_children(early.getoption):
         return
-    if early.getoption("setupplan") or early.cache is None or not _probe.proc_mounted():
+    if early.getoption("setupplan") or not _probe.proc_mounted():
         return
+    workdir = ""
     child_environ = {}
     if _bytecode.wanted(settings.pycache):
-        directory, problem = _starting.cached_pycache(early.cache)
-        if directory is None or problem:
-            return  # the session warns, and uses its own temporary directory
+        if early.cache is not None:
+            directory, problem = _starting.cached_pycache(early.cache)
+            if directory is None or problem:
+                return  # the session warns, and uses its own temporary directory
+        else:
+            # No cache to keep it in (-p no:cacheprovider, --cache-clear): this run's
+            # own, as the session would make (it takes this one).
+            workdir = tempfile.mkdtemp(prefix="spawnrun-zygote-")
+            directory = Path(workdir, "pycache")
+            directory.mkdir()
         child_environ[_bytecode.ENV] = str(directory)
     base = _forkserver.base_modules(config, list(settings.preload))
     rootdir = Path(config.rootpath).resolve()
@@ -172,7 +182,7 @@ def start(config: pytest.Config) -> None:
         for m in _dedupe(wanted)
         if m not in base and _forkserver.may_keep(config, m, rewrite, excluded)
     ]
-    off = early.cache.get(CACHE_OFF, "")
+    off = early.cache.get(CACHE_OFF, "") if early.cache is not None else ""
     head = HeadStart(
         None,
         base,
@@ -182,6 +192,7 @@ def start(config: pytest.Config) -> None:
         dict(os.environ),
         list(sys.path),
         str(config.invocation_params.dir),
+        workdir=workdir,
         off=off if isinstance(off, str) else "",
         cache=early.cache,
     )
@@ -189,7 +200,7 @@ def start(config: pytest.Config) -> None:
     config.add_cleanup(head.close)
     if head.off:
         return
-    head.workdir = tempfile.mkdtemp(prefix="spawnrun-zygote-")
+    head.workdir = head.workdir or tempfile.mkdtemp(prefix="spawnrun-zygote-")
     spec = proto.ZygoteSpec(base, head.invocation_dir, f"{head.workdir}/output.log", rewrite)
     try:
         head.zygote = _forkserver.Zygote(spec, child_environ)

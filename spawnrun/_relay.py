@@ -80,6 +80,29 @@ def arm_faulthandler(stacks: IO[str]) -> None:
     faulthandler.register(DUMP_SIGNAL, file=stacks, all_threads=True, chain=False)
 
 
+def _list_wanted(wanted: Callable[[str], bool]) -> None:
+    """pytest's directory and package collectors list only the ``wanted`` entries.
+
+    They call the ignore hook for each entry of the directories on the way to the
+    test: a hook call of every plugin, and a legacy path made for it, per sibling file
+    (a fork of a template collecting one file of a folder of 40 spent a third of its
+    collection on them). What is left out here, ``Relay.pytest_ignore_collect`` would
+    ignore; other collectors (a plugin's own) still meet the hook. Where pytest lists
+    directories otherwise (another version), nothing changes.
+    """
+    import _pytest.pathlib
+
+    listing = _pytest.pathlib.scandir
+
+    def scandir(path: Any, *args: Any, **kwargs: Any) -> list[os.DirEntry[str]]:
+        return [e for e in listing(path, *args, **kwargs) if wanted(e.path)]
+
+    for name in ("_pytest.main", "_pytest.python"):
+        module = sys.modules.get(name)
+        if getattr(module, "scandir", None) is listing:
+            module.scandir = scandir  # type: ignore[union-attr]
+
+
 def wanted_paths(args: list[str], invocation_dir: str) -> tuple[set[str], tuple[str, ...]] | None:
     """The paths the child's arguments name and every directory above them, and the
     directory arguments (what lies below them is wanted too); None: an argument that
@@ -143,6 +166,7 @@ class Relay:
     def pytest_configure(self, config: Any) -> None:
         self.config = config
         _refuse_debuggers()
+        _list_wanted(self._wanted)
         # pytest's own faulthandler plugin points faulthandler at stderr during
         # configure; take it back so crash stacks land where the parent reads them.
         arm_faulthandler(self.stacks)
@@ -232,14 +256,15 @@ class Relay:
         pytest lists each directory on the way to an argument and makes a collector of
         every file and folder in it, only to keep the one the argument names: in a
         folder of 400 test files (or transformers' 400 model folders) each child paid
-        for all of them. Their ignore files and hooks still apply to what is kept."""
+        for all of them. Their ignore files and hooks still apply to what is kept.
+        pytest's own directory collectors do not even see the rest (``_list_wanted``)."""
+        return None if self._wanted(str(collection_path)) else True
+
+    def _wanted(self, path: str) -> bool:
         if self.wanted is None:
-            return None
-        path = str(collection_path)
+            return True
         on_the_way, below = self.wanted
-        if path in on_the_way or path.startswith(below):
-            return None
-        return True
+        return path in on_the_way or path.startswith(below)
 
     def pytest_collectreport(self, report: Any) -> None:
         if report.failed:

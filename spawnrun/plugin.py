@@ -301,7 +301,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     # children get these options.
     environ = {}
     if _bytecode.wanted(config.stash[SETTINGS_KEY].pycache):
-        environ[_bytecode.ENV] = _starting.pycache_dir(config)
+        head = config.stash.get(_headstart.KEY, None)
+        early = head.child_environ.get(_bytecode.ENV) if head is not None else None
+        environ[_bytecode.ENV] = early or _starting.pycache_dir(config)
         _bytecode.write_into(environ[_bytecode.ENV])  # until collection ends
         config.add_cleanup(_bytecode.stop)  # a collection that never ends, too
     settings = config.stash[SETTINGS_KEY]

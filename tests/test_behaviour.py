@@ -212,18 +212,28 @@ def test_a_child_collects_only_the_path_to_its_test(pytester, monkeypatch):
     of them (15 s against 9.4 s for 400 trivial tests in fast mode). A child now
     collects only its file and the folders above it; what lies below a folder argument
     (the parent's arguments, on fallback) is still collected, and subfolders' conftests
-    still apply."""
+    still apply. pytest's own collectors of those folders do not even ask the ignore
+    hooks about the rest (each asking is a call of every plugin's hook)."""
     seen = pytester.path / "seen.txt"
     monkeypatch.setenv("SEEN", str(seen))
+    asked = pytester.path / "asked.txt"
+    monkeypatch.setenv("ASKED", str(asked))
     pytester.makeconftest(
         """
         import os
+        import pytest
         import spawnrun
 
         def pytest_collect_file(file_path, parent):
             if spawnrun.is_child():
                 with open(os.environ["SEEN"], "a") as f:
                     f.write(file_path.name + "\\n")
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_ignore_collect(collection_path):
+            if spawnrun.is_child():
+                with open(os.environ["ASKED"], "a") as f:
+                    f.write(collection_path.name + "\\n")
         """
     )
     sub = pytester.mkpydir("sub")
@@ -240,6 +250,8 @@ def test_a_child_collects_only_the_path_to_its_test(pytester, monkeypatch):
     result.assert_outcomes(passed=5)
     # (A package's __init__.py is its own collector's in some pytest versions.)
     assert set(seen.read_text().split()) - {"__init__.py"} == {"test_inner.py"}
+    others = {"test_a.py", "test_b.py", "test_c.py", "test_other.py", "seen.txt"}
+    assert not set(asked.read_text().split() if asked.exists() else []) & others
 
 
 def test_not_found_is_a_failure_with_collection_errors(pytester):

@@ -65,12 +65,23 @@ def _imports(pytester: pytest.Pytester) -> list[tuple[int, float, float]]:
     return [(int(p), float(s), float(e)) for p, s, e in (r.split() for r in rows if r)]
 
 
-@pytest.mark.parametrize("where", [".", "tests"])
-def test_the_template_imports_what_the_conftest_imports_meanwhile(pytester, monkeypatch, where):
+@pytest.mark.parametrize(
+    ("where", "args"),
+    [(".", ()), ("tests", ()), (".", ("-p", "no:cacheprovider")), (".", ("--cache-clear",))],
+    ids=["rootdir", "tests", "no-cache", "cache-clear"],
+)
+def test_the_template_imports_what_the_conftest_imports_meanwhile(
+    pytester, monkeypatch, where, args
+):
     """The template imports the conftest's library while the parent does: on the first
     run as the conftest reads (in the rootdir, or in the ``tests`` folder below it), on
-    the second as the first run's template imported."""
+    the second as the first run's template imported. Without pytest's cache, or with
+    ``--cache-clear``, too: children then keep their bytecode in a directory of the run's
+    own (here where the environment forbids writing it), which the early template and the
+    session share."""
     monkeypatch.setenv("PYTHONPATH", _libs(pytester, monkeypatch, "libs", "site"), prepend=":")
+    if args:
+        monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     folder = pytester.path / where
     folder.mkdir(exist_ok=True)
     (folder / "conftest.py").write_text(
@@ -88,7 +99,7 @@ def test_the_template_imports_what_the_conftest_imports_meanwhile(pytester, monk
     )
     (folder / "test_mine.py").write_text(SUITE)
     for run in range(2):
-        seen = _run(pytester)
+        seen = _run(pytester, *args)
         parent, conftest_end = json.loads((pytester.path / "parent.json").read_text())
         imports = {pid: start for pid, start, _ in _imports(pytester)}
         template = [pid for pid in imports if pid != parent]
