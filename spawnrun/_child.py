@@ -151,11 +151,10 @@ def take_over(
     _budget.install()
     _probe.die_with_parent(parent)
     os.setsid()
-    # pytest's capture of the template holds files every fork shares (one offset):
-    # each fork captures into files of its own, around its own output streams.
+    # pytest's capture of the template held files every fork would share (one offset;
+    # the template ended it): each fork captures into files of its own, around its own
+    # output streams.
     capture = config.pluginmanager.get_plugin("capturemanager")
-    if capture is not None:
-        capture.stop_global_capturing()
     _output_to(spec.log_path, streams)
     directory = os.path.dirname(spec.stacks_path)
     _name_capture_files(directory)

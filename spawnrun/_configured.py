@@ -239,6 +239,11 @@ class _Serving:
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_collection(self, session: Any) -> Any:
+        # Each fork captures into files of its own (``take_over``): the template's
+        # capture, which they would all share, ends here once, not in each fork.
+        capture = session.config.pluginmanager.get_plugin("capturemanager")
+        if capture is not None:
+            capture.stop_global_capturing()
         request, fd, streams = self._serve()  # returns only in a fork, for its test
         self.forked = True
         _child.take_over(session.config, request.spec, Connection(fd), os.getppid(), streams)

@@ -64,18 +64,15 @@ def install(workdir: str) -> None:
     Called again after the go, whose environment changes may have replaced
     ``PYTHONPATH``.
     """
-    import shutil
-
     directory = stacks_dir(workdir)
-    # A dot directory: pytest never collects it (--doctest-modules over a basetemp
-    # inside the rootdir would import the hook as a module otherwise).
-    hook = os.path.join(workdir, ".hook")
+    # One for the run's children, beside their work directories (copying it took each
+    # fork of a template about a millisecond). A dot directory: pytest never collects
+    # it (--doctest-modules over a basetemp inside the rootdir would import the hook as
+    # a module otherwise).
+    hook = os.path.join(os.path.dirname(workdir), ".hook")
     try:
         os.makedirs(directory, exist_ok=True)
-        os.makedirs(hook, exist_ok=True)
-        target = os.path.join(hook, "sitecustomize.py")
-        if not os.path.exists(target):
-            shutil.copyfile(__file__, target)
+        _place(os.path.join(hook, "sitecustomize.py"))
     except OSError:
         return
     os.environ[ENV] = directory
@@ -83,6 +80,25 @@ def install(workdir: str) -> None:
     if hook not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = hook + (os.pathsep + path if path else "")
     _arm_forks(directory)
+
+
+def _place(target: str) -> None:
+    """Copy this file to ``target`` unless it is there: whole or not at all, since
+    children copying it at once may have processes starting meanwhile."""
+    if os.path.exists(target):
+        return
+    import shutil
+    import tempfile
+
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    fd, partial = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".partial")
+    os.close(fd)
+    try:
+        shutil.copyfile(__file__, partial)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
 
 
 def _hand_over() -> None:
