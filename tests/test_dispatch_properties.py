@@ -119,6 +119,11 @@ def scenarios(draw: st.DrawFn, drain: bool = False) -> World:
     if peers:  # xdist: children claim through the ledger at their start (never deferred)
         config = replace(config, defer=False, backfill=0, gather=0)
     expect = tuple((f"file{k}", 1, None) for k in draw(st.lists(st.sampled_from("012"))))
+    # Job slots by measured CPU load (drawn last: the draws before keep their examples).
+    slots = draw(
+        st.lists(st.sampled_from([1, 1, 1, 2, 5]), min_size=len(specs), max_size=len(specs))
+    )
+    specs = [replace(s, test=replace(s.test, slots=n)) for s, n in zip(specs, slots, strict=True)]
     return World(
         config,
         specs,

@@ -4,6 +4,11 @@ Runs in the parent; pure (no processes, pipes, clock, NVML or pytest objects), s
 simulator (``tests/sim``) and property tests drive it exactly as the driver does.
 Policy, in full:
 
+* **Job slots.** Started tests take at most ``jobs`` slots: one each, or as many as the
+  cores an earlier run measured a test keeping busy need (``Test.slots``), so that tests
+  that each run many threads do not share the cores beyond what they hold (16 timm tests
+  of 16 threads each at once took several times as long as one by one). A test that
+  needs more than the run has waits until nothing else has started.
 * **Turns in submission order.** Submitted tests wait in one queue; the first that
   cannot start (the *head*) stops the scan, so later tests never starve it. A test whose
   scope's child is still running the scope's previous test waits *behind its scope* and
@@ -146,7 +151,7 @@ class Dispatcher(Ends):
         for _ in range(len(self.queue) + 1):
             head, placed = self._scan()
             booting = placed == "booting"
-            if head is None or booting or self.in_slot() >= self.settings.jobs:
+            if head is None or booting or not self.slot_for(self.tests[head].test):
                 # Every slot taken is progress that frees one: the tests that wait for
                 # it boot meanwhile (their claims are preempted if the head needs them).
                 # So is a head whose own child boots. (A head is in the queue; so are
@@ -251,7 +256,7 @@ class Dispatcher(Ends):
             return self._go(entry, own)
         if test.template and test.template not in self.refused:
             return self._fork(entry)
-        if self.in_slot() >= self.settings.jobs:
+        if not self.slot_for(test):
             return "blocked"
         kind = Kind.SCOPE if test.scope else Kind.SPAWN
         devices = self.choose(test)
@@ -273,7 +278,7 @@ class Dispatcher(Ends):
             # turn while it still boots if the devices it sees are free (its boot may
             # yet touch them): from then on its boot runs under the boot limit, as any
             # child's that was started at its turn, so a boot that hangs is reported.
-            if self.in_slot() >= self.settings.jobs:
+            if not self.slot_for(entry.test):
                 return "booting" if child.state is State.STARTING else "blocked"
             starting = child.state is State.STARTING
             among = child.seen if child.bound or starting else None
@@ -282,7 +287,7 @@ class Dispatcher(Ends):
                 return "booting" if starting else "blocked"
             self.assign(child, devices)
         if entry.phase is not Phase.STARTED:
-            if self.in_slot() >= self.settings.jobs:
+            if not self.slot_for(entry.test):
                 return "blocked"
             entry.phase, entry.child = Phase.STARTED, child.id
             child.test = entry.test.id
@@ -299,7 +304,7 @@ class Dispatcher(Ends):
             return "blocked"
         if template.state is not State.READY:
             return "blocked"
-        if self.in_slot() >= self.settings.jobs:
+        if not self.slot_for(test):
             return "blocked"
         devices = self.choose(test)
         if devices is None:
@@ -314,8 +319,8 @@ class Dispatcher(Ends):
         (EASY backfilling: the head is never delayed, as far as the records hold). pytest
         goes on past such a head, so that later tests reach the queue; where nothing is
         recorded, nothing is backfilled and pytest waits at the head as before."""
-        if not self.settings.backfill or self.stopping or self.in_slot() >= self.settings.jobs:
-            return
+        if not self.settings.backfill or self.stopping or not self.slot_for(head.test):
+            return  # (a head that waits for job slots would wait longer for those taken)
         shadow = self.shadow(head.test)
         if shadow is None or shadow <= self.now:
             return
@@ -328,6 +333,8 @@ class Dispatcher(Ends):
             ends = self.would_end(entry.test)
             if ends is None or ends > shadow or not self.fits_now(entry.test):
                 continue
+            if not self.slot_for(entry.test):
+                continue
             if self._place(entry) in ("started", "ended") and tid in self.queue:
                 self.queue.remove(tid)
             # A test backfilled is passed too: what comes after it may reach the queue.
@@ -339,7 +346,7 @@ class Dispatcher(Ends):
         Only when devices are what it waits for: a head that waits for a slot, or whose
         devices are free, would gain nothing, and booted children would be lost."""
         among = self.bound_to(head)
-        if self.in_slot() >= self.settings.jobs or self.choose(head, among=among) is not None:
+        if not self.slot_for(head) or self.choose(head, among=among) is not None:
             return
         idle = [c for c in self.live_children() if self.idle_holder(c, head)]
         if not idle:

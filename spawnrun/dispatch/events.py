@@ -43,6 +43,10 @@ class Test:
     #: What earlier runs measured of its setup, call and teardown (seconds), for
     #: backfilling; None: unknown.
     duration: float | None = None
+    #: Of the run's job slots, how many it takes while it runs: one, or as many as the
+    #: cores an earlier run measured it keeping busy need (``_packing.cpu_slots``). One
+    #: that needs more than there are runs with nothing else.
+    slots: int = 1
     key: str = ""
     #: The file whose collection its child runs ("": the test's own id): what a boot of
     #: it touches (``Booted.touched``) says whether its children may boot unclaimed.

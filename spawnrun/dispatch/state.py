@@ -324,7 +324,15 @@ class Run:
         return f"it needs {self.wanted(test)} device(s) ({need}); the run has {self.pool.ids}"
 
     def in_slot(self) -> int:
-        return sum(1 for e in self.tests.values() if e.phase is Phase.STARTED)
+        """The job slots the started tests take."""
+        jobs = self.settings.jobs
+        return sum(min(e.test.slots, jobs) for e in self.tests.values() if e.phase is Phase.STARTED)
+
+    def slot_for(self, test: ev.Test) -> bool:
+        """Whether ``test`` may start now as far as job slots go: its slots are free, or
+        no test has started (one that needs more slots than the run has runs alone)."""
+        used = self.in_slot()
+        return used == 0 or used + min(test.slots, self.settings.jobs) <= self.settings.jobs
 
     def scope_child(self, scope: str) -> Child | None:
         serving = (State.STARTING, State.READY, State.RUNNING, State.BETWEEN)

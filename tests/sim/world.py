@@ -374,8 +374,10 @@ class World:
         if a.kind is Kind.TEMPLATE:
             boot = 1.5
         if fate == "start-fail" and a.kind is not Kind.EARLY:
+            # As the driver does: told in the feed that started it (its exit never
+            # comes, so nothing else would tell it before the world drains).
             proc.exited = proc.released = True
-            self._at(self.now, ev.StartFailed(self.now, a.child, "EMFILE"))
+            self.told_now.append(ev.StartFailed(self.now, a.child, "EMFILE"))
         elif fate == "boot-die" and a.kind is not Kind.EARLY:
             self._exit(proc, self.now + boot / 2, 1)
         elif a.kind is Kind.TEMPLATE and a.key in self.template_refuses:
@@ -520,6 +522,11 @@ class World:
 
     def _check_safety(self) -> None:
         gone = self._given_up()  # unkillable, given up with a warning
+        jobs = self.settings.jobs
+        running = [p.running for p in self.procs.values() if p.running and not p.exited]
+        taken = sum(min(self.specs[t].test.slots, jobs) for t in running)
+        if len(running) > 1 and taken > jobs:
+            raise Unsafe(f"{running} run at once, taking {taken} job slots of {jobs}")
         for device in self.settings.devices:
             holders = [
                 p
