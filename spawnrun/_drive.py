@@ -53,6 +53,9 @@ class Driver(Performer):
     """The run's spawned tests, through the dispatcher: what pytest and the loop tell it."""
 
     def _test(self, item: pytest.Item, plan: _packing.Plan) -> ev.Test:
+        slots = _packing.cpu_slots(self.loads.get(item.nodeid), self.cpus, self.limit)
+        if slots > 1:
+            self.slotted[item.nodeid], self.slots_of_run = slots, self.limit
         return ev.Test(
             item.nodeid,
             count=plan.count,
@@ -63,6 +66,7 @@ class Driver(Performer):
             key=early_key(str(item.path), plan),
             file=str(item.path),
             duration=self.durations.get(item.nodeid),
+            slots=slots,
         )
 
     def _feed(self, *events: ev.Event) -> None:

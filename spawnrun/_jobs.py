@@ -49,6 +49,7 @@ from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _starting
 from spawnrun._reports import BUDGET_PROPERTY
+from spawnrun._reports import CPU_LOAD_PROPERTY
 from spawnrun._reports import LEARNED_PEAK
 from spawnrun._reports import WALL_PROPERTY
 
@@ -194,6 +195,8 @@ class Job:
         self.crashes = 0
         self.timeouts = 0
         self.peak_device_bytes: int | None = None
+        #: The cores its test kept busy (``Done.cpu_load``), learned for job slots.
+        self.cpu_load: float | None = None
 
     # Starting --------------------------------------------------------------------
 
@@ -432,6 +435,7 @@ class Job:
             _learned.saw_imports(self.item.config, msg.imported)
             replay.terminal = msg.terminal
             self.peak_device_bytes = msg.peak_device_bytes
+            self.cpu_load = msg.cpu_load
             self.held_after = msg.held_bytes
             self._learn(msg.peak_per_device)
             if self.interrupted is None:
@@ -541,6 +545,8 @@ class Job:
             self.replay.properties.append((WALL_PROPERTY, round(wall, 4)))
         if self.boot_seconds is not None:
             self.replay.properties.append(("spawnrun_boot_s", round(self.boot_seconds, 3)))
+        if self.cpu_load is not None:
+            self.replay.properties.append((CPU_LOAD_PROPERTY, round(self.cpu_load, 2)))
         if self.peak_device_bytes is not None:
             mib = round(self.peak_device_bytes / 2**20, 1)
             self.replay.properties.append(("spawnrun_peak_gpu_mib", mib))

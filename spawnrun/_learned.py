@@ -20,6 +20,8 @@ import pytest
 CACHE_PEAKS = "spawnrun/peaks"
 #: Where learned durations live: node id -> seconds (setup, call and teardown).
 CACHE_DURATIONS = "spawnrun/durations"
+#: Where learned CPU loads live: node id -> the cores a test kept busy on average.
+CACHE_LOADS = "spawnrun/cpu-loads"
 #: Where learned preloads live: the third-party modules tests imported, in import order.
 CACHE_PRELOADS = "spawnrun/preloads"
 #: The most modules kept there.
@@ -36,6 +38,11 @@ def peaks(config: pytest.Config) -> dict[str, int]:
 def durations(config: pytest.Config) -> dict[str, float]:
     """Durations recorded by earlier runs, node id -> seconds."""
     return {k: float(v) for k, v in _load(config, CACHE_DURATIONS).items()}
+
+
+def loads(config: pytest.Config) -> dict[str, float]:
+    """CPU loads recorded by earlier runs, node id -> cores."""
+    return {k: float(v) for k, v in _load(config, CACHE_LOADS).items()}
 
 
 def _load(config: pytest.Config, key: str) -> dict[str, int | float]:

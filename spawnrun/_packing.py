@@ -181,6 +181,15 @@ def default_per_gpu(cpus: int, gpus: int) -> int:
     return max(2, min(8, cpus // max(1, gpus)))
 
 
+def cpu_slots(load: float | None, cpus: int, jobs: int) -> int:
+    """The job slots a test takes: those of the cores it kept busy on average when an
+    earlier run measured it (``load``), each slot standing for ``cpus / jobs`` cores; one
+    where nothing was measured or nothing is known of the cores, all of them at most."""
+    if load is None or cpus <= 0 or jobs <= 1:
+        return 1
+    return max(1, min(jobs, math.ceil(load * jobs / cpus - 0.05)))
+
+
 #: A ``Plan.scope`` of tests forked one by one from a template that collected their file.
 TEMPLATE_SCOPE = "template "
 

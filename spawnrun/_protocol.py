@@ -229,6 +229,10 @@ class Done:
     #: Third-party modules the test imported that its boot had not (in import order):
     #: what a later run's template preloads (``_learned.preloads``).
     imported: list[str] = field(default_factory=list)
+    #: The cores its setup, call and teardown kept busy on average (its process's CPU
+    #: time, its threads' and waited-for children's, over its wall time); None where it
+    #: ran too briefly to tell.
+    cpu_load: float | None = None
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import gc
 import io
 import os
 import pickle
+import resource
 import sys
 import time
 import traceback
@@ -148,6 +149,8 @@ class Relay:
         self.wanted = wanted_paths(spec.args, spec.invocation_dir)
         #: Where the child's terminal reporter writes (set at configure).
         self.sink: _Sink | None = None
+        #: Its process's CPU seconds and the clock when its current test began.
+        self.cpu_from: tuple[float, float] | None = None
         #: The modules the process had once booted (None: not booted).
         self.boot_modules: _libraries.Mark | None = None
         #: Undo what only its configuration and collection may see (``_availability``,
@@ -283,7 +286,12 @@ class Relay:
                 _probe.release_devices()
                 terminal = self._terminal_since()
                 imported = self._imported()
-                self.send(proto.Done(self.notes, terminal, peak, per_device, imported=imported))
+                load = self._cpu_load()
+                self.send(
+                    proto.Done(
+                        self.notes, terminal, peak, per_device, imported=imported, cpu_load=load
+                    )
+                )
                 if self.sink is not None:
                     self.sink.to_own()  # the session's end is no part of the test
             elif self.notes:
@@ -389,6 +397,7 @@ class Relay:
         return True
 
     def _run(self, item: Any, nextitem: Any) -> None:
+        self.cpu_from = (_cpu_seconds(), time.monotonic())
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
         except KeyboardInterrupt as exc:
@@ -403,6 +412,15 @@ class Relay:
         self._done_for_now()
         _probe.reset_peaks()
         return self._await_go(by_id)
+
+    def _cpu_load(self) -> float | None:
+        """The cores the test kept busy on average since its ``_run`` (None: unknown, or
+        too brief to tell)."""
+        if self.cpu_from is None:
+            return None
+        cpu, since = self.cpu_from
+        wall = time.monotonic() - since
+        return (_cpu_seconds() - cpu) / wall if wall >= CPU_LOAD_MIN_WALL else None
 
     def _imported(self) -> list[str]:
         """Libraries imported since the boot (or the scope's previous test), at most
@@ -646,6 +664,17 @@ class Relay:
             lines.append("the child collected no tests")
         lines += self.collect_errors
         return "\n".join(lines)
+
+
+#: A test shorter than this (seconds) records no CPU load: too brief to tell.
+CPU_LOAD_MIN_WALL = 0.1
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process (all its threads) and of its children it waited for."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    waited = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + waited.ru_utime + waited.ru_stime
 
 
 def _zygote_refusal() -> str:

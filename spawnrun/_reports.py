@@ -19,6 +19,8 @@ BUDGET_PROPERTY = "spawnrun_budget_mib"
 LEARNED_PEAK = "spawnrun_device_peak_mib"
 #: A spawned test's wall time from its go to its end (its child's setup, call, teardown).
 WALL_PROPERTY = "spawnrun_wall_s"
+#: The cores it kept busy meanwhile, on average (what its job slots are learned by).
+CPU_LOAD_PROPERTY = "spawnrun_cpu_load"
 
 NOT_FOUND = "spawnrun: the spawned child could not find this test"
 BOOT_FAILED = "spawnrun: pytest failed in the spawned child before it reached this test"

@@ -41,6 +41,9 @@ class Summary:
         #: The pids of templates that forked, and how many tests ran in their forks.
         self.templates: set[int] = set()
         self.forks = 0
+        #: Tests that take more than one job slot (node id -> slots) and the run's slots.
+        self.slotted: dict[str, int] = {}
+        self.slots_of_run = 0
 
     def _scope_tests(self, scope: str) -> list[str]:
         """The spawned tests of ``scope`` (the driver knows them)."""
@@ -128,6 +131,12 @@ class Summary:
             where = _template_files(self._scope_tests(scope))
             lines.append(f"{where}: {NOT_A_TEMPLATE}: {why}")
         lines += self._packing_lines(list_alone)
+        if self.slotted:
+            lines.append(
+                f"job slots: {_plural(len(self.slotted), 'test')} took more than one, as many "
+                "as the cores an earlier run measured each keeping busy need (up to "
+                f"{max(self.slotted.values())} of {self.slots_of_run})"
+            )
         if self.again:
             shown = ", ".join(self.again[:10]) + (" ..." if len(self.again) > 10 else "")
             lines.append(

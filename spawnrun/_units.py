@@ -95,6 +95,10 @@ class Units(Loop):
         self.peers: tuple[tuple[str, int | None], ...] | None = None
         #: What earlier runs measured of each test's duration (``_learned``), once read.
         self._durations: dict[str, float] | None = None
+        #: ... and of the cores each kept busy, once read.
+        self._loads: dict[str, float] | None = None
+        #: The run's usable cores (0: job slots are not weighed by CPU load).
+        self.cpus = 0
 
     # The dispatcher ------------------------------------------------------------------
 
@@ -104,6 +108,13 @@ class Units(Loop):
             config = self.config
             self._durations = _learned.durations(config) if config is not None else {}
         return self._durations
+
+    @property
+    def loads(self) -> dict[str, float]:
+        if self._loads is None:
+            config = self.config
+            self._loads = _learned.loads(config) if config is not None else {}
+        return self._loads
 
     def has_core(self) -> bool:
         return self._core is not None

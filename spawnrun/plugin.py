@@ -62,6 +62,7 @@ PEAKS_KEY = pytest.StashKey[dict[str, int]]()
 COLLECTED_KEY = pytest.StashKey[_learned.Collected]()
 #: The run's spawned tests' durations (setup, call and teardown), node id -> seconds.
 DURATIONS_KEY = pytest.StashKey[dict[str, float]]()
+LOADS_KEY = pytest.StashKey[dict[str, float]]()
 #: The files whose tests earlier runs spawned (``_early.remembered``), read once.
 REMEMBERED_KEY = pytest.StashKey[dict[str, "_early.Guess"]]()
 #: Whether the run was told that /proc is missing (once).
@@ -154,9 +155,10 @@ def pytest_configure(config: pytest.Config) -> None:
     _warn_fast_mode_only(config, settings)
     config.stash[INVENTORY_KEY] = inventory
     config.stash[CAPACITY_KEY] = capacity
-    global _peaks, _collected, _durations
+    global _peaks, _collected, _durations, _loads
     _peaks = config.stash[PEAKS_KEY] = {}
     _durations = config.stash[DURATIONS_KEY] = {}
+    _loads = config.stash[LOADS_KEY] = {}
     _collected = None
     if not _xdist_controller(config):  # its workers collect, it does not
         _collected = config.stash[COLLECTED_KEY] = _learned.Collected(config)
@@ -190,6 +192,7 @@ def pytest_configure(config: pytest.Config) -> None:
     scheduler.poison = _poison.patterns(settings.poison)
     scheduler.replace_above = settings.scope_memory
     scheduler.guessing = settings.pack == "auto"
+    scheduler.cpus = cpus
     config.pluginmanager.register(_Spawns(), "spawnrun-spawns")
     config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
     _cudawatch.watch()
@@ -584,6 +587,8 @@ def _store_learned(config: pytest.Config) -> None:
     _learned.store(config, _learned.CACHE_PEAKS, peaks, collected)
     durations = config.stash.get(DURATIONS_KEY, {})
     _learned.store(config, _learned.CACHE_DURATIONS, durations, collected)
+    loads = config.stash.get(LOADS_KEY, {})
+    _learned.store(config, _learned.CACHE_LOADS, loads, collected)
     _learned.store_preloads(config)
     holder = config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
@@ -650,6 +655,8 @@ _peaks: dict[str, int] | None = None
 _collected: _learned.Collected | None = None
 #: The run's durations of spawned tests (``DURATIONS_KEY``).
 _durations: dict[str, float] | None = None
+#: The run's CPU loads of spawned tests (``LOADS_KEY``).
+_loads: dict[str, float] | None = None
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -669,6 +676,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> Generator[None, None,
     wall = properties.get(_reports.WALL_PROPERTY)  # a spawned test's, from its go to its end
     if isinstance(wall, (int, float)) and report.when == "teardown" and _durations is not None:
         _durations[report.nodeid] = float(wall)
+    load = properties.get(_reports.CPU_LOAD_PROPERTY)
+    if isinstance(load, (int, float)) and report.when == "teardown" and _loads is not None:
+        _loads[report.nodeid] = float(load)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -8,6 +8,7 @@ memory (``--spawn-gpu-memory``), as on a machine without GPUs.
 from __future__ import annotations
 
 import json
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -706,3 +707,67 @@ def test_a_configured_template_forks_tests_of_other_budgets_each_with_its_own(
     assert own and len(configured) < n, configured  # forked from a configured template
     templates = set(configured) - {int(pid) for pid, _ in ran.values()}
     assert templates and all(configured[pid] == "None" for pid in templates), configured
+
+
+def test_tests_that_kept_cores_busy_take_job_slots_on_the_next_run(pytester, stamps, monkeypatch):
+    """timm's model tests on the H200: each builds its model on the CPU with torch's 16
+    threads, and 16 such tests at once took several times as long as one by one (the
+    second run 1.06x plain; with two threads each, 0.47x). A run records the cores each
+    test kept busy; the next gives a test as many of the run's job slots as those cores
+    need, so that busy tests do not share the cores beyond what they hold. Here the
+    recorded loads say each busy test needs every core: each runs with nothing beside
+    it, while the idle ones share; the summary says so. (No GPUs: unmarked tests under
+    ``--spawn-gpu`` would hold every one, alone.)"""
+    monkeypatch.delenv("SPAWNRUN_GPUS")
+    pytester.makepyfile(
+        test_busy=textwrap.dedent(
+            """
+            import hashlib, threading, time
+            import pytest
+            from stamping import stamp
+
+            def spin(seconds):
+                end = time.monotonic() + seconds
+                while time.monotonic() < end:
+                    hashlib.sha256(b"x" * 1_000_000).digest()  # without the GIL
+
+            @pytest.mark.parametrize("i", range(2))
+            def test_busy(i):
+                threads = [threading.Thread(target=spin, args=(0.5,)) for _ in range(2)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                stamp(f"busy{i}", 0.3)
+            """
+        ),
+        test_idle=textwrap.dedent(
+            """
+            import pytest
+            from stamping import stamp
+
+            @pytest.mark.parametrize("i", range(3))
+            def test_idle(i):
+                stamp(f"idle{i}", 0.8)
+            """
+        ),
+    )
+    args = ("--spawn-gpu", "--spawn-jobs", "4", "-p", "cacheprovider", "--junitxml=out.xml")
+    pytester.runpytest_subprocess(*args).assert_outcomes(passed=5)
+    loads = json.loads((pytester.path / ".pytest_cache/v/spawnrun/cpu-loads").read_text())
+    busy = [loads[f"test_busy.py::test_busy[{i}]"] for i in range(2)]
+    idle = [loads[f"test_idle.py::test_idle[{i}]"] for i in range(3)]
+    assert min(busy) > 0.3 > max(idle), loads  # what the cores did, however many there are
+    junit = (pytester.path / "out.xml").read_text()
+    assert 'name="spawnrun_cpu_load"' in junit
+    # Every core, whatever this machine has: each busy test takes all four slots.
+    cores = len(os.sched_getaffinity(0))
+    recorded = {k: (float(cores) if "busy" in k else 0.0) for k in loads}
+    (pytester.path / ".pytest_cache/v/spawnrun/cpu-loads").write_text(json.dumps(recorded))
+    stamps.unlink()
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=5)
+    seen = read_stamps(stamps)
+    assert overlapping(seen, "busy0") == [] and overlapping(seen, "busy1") == [], seen
+    assert most_at_once(seen, [f"idle{i}" for i in range(3)])[0] > 1, seen
+    result.stdout.fnmatch_lines(["job slots: 2 tests took more than one, * (up to 4 of 4)"])
