@@ -437,9 +437,17 @@ class Relay:
         held = _probe.allocated()
         terminal = self._terminal_since()
         imported = self._imported()
+        load = self._cpu_load()
         self.send(
             proto.Done(
-                self.notes, terminal, peak, per_device, True, held_bytes=held, imported=imported
+                self.notes,
+                terminal,
+                peak,
+                per_device,
+                True,
+                held_bytes=held,
+                imported=imported,
+                cpu_load=load,
             )
         )
         self.notes = []

@@ -709,7 +709,10 @@ def test_a_configured_template_forks_tests_of_other_budgets_each_with_its_own(
     assert templates and all(configured[pid] == "None" for pid in templates), configured
 
 
-def test_tests_that_kept_cores_busy_take_job_slots_on_the_next_run(pytester, stamps, monkeypatch):
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_tests_that_kept_cores_busy_take_job_slots_on_the_next_run(
+    pytester, stamps, monkeypatch, method
+):
     """timm's model tests on the H200: each builds its model on the CPU with torch's 16
     threads, and 16 such tests at once took several times as long as one by one (the
     second run 1.06x plain; with two threads each, 0.47x). A run records the cores each
@@ -717,7 +720,9 @@ def test_tests_that_kept_cores_busy_take_job_slots_on_the_next_run(pytester, sta
     need, so that busy tests do not share the cores beyond what they hold. Here the
     recorded loads say each busy test needs every core: each runs with nothing beside
     it, while the idle ones share; the summary says so. (No GPUs: unmarked tests under
-    ``--spawn-gpu`` would hold every one, alone.)"""
+    ``--spawn-gpu`` would hold every one, alone.) In fast mode a file's template forks
+    its tests, and each but the last says it is done without ending its process: the
+    load is told that way too (it was not: run 1 on the H200 recorded one test's)."""
     monkeypatch.delenv("SPAWNRUN_GPUS")
     pytester.makepyfile(
         test_busy=textwrap.dedent(
@@ -752,7 +757,8 @@ def test_tests_that_kept_cores_busy_take_job_slots_on_the_next_run(pytester, sta
             """
         ),
     )
-    args = ("--spawn-gpu", "--spawn-jobs", "4", "-p", "cacheprovider", "--junitxml=out.xml")
+    args = ("--spawn-gpu", "--spawn-jobs", "4", "--spawn-method", method, "-p", "cacheprovider")
+    args += ("--junitxml=out.xml",)
     pytester.runpytest_subprocess(*args).assert_outcomes(passed=5)
     loads = json.loads((pytester.path / ".pytest_cache/v/spawnrun/cpu-loads").read_text())
     busy = [loads[f"test_busy.py::test_busy[{i}]"] for i in range(2)]
