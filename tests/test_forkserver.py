@@ -8,6 +8,7 @@ spawns) when something in the template itself is unsafe to fork.
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 import time
 
@@ -795,3 +796,35 @@ def test_a_configured_template_configures_pytest_once_for_tests_of_many_files(
     failure = result.stdout.str().split("Captured stdout call")[1].split("short test summary")[0]
     assert "printed by 3" in failure
     assert not any(f"printed by {i}" in failure for i in range(n) if i != 3)
+
+
+@pytest.mark.parametrize("users", ["", "ACTIVE"], ids=["unset", "the-users"])
+def test_the_templates_openmp_waits_passively_unseen_by_tests(pytester, monkeypatch, users):
+    """timm's model tests on the H200 (runs 55 and 58): each runs torch's 16 threads, and
+    side by side their idle OpenMP threads spun, a second run slower than plain pytest;
+    with libgomp's passive waiting it took 0.60x. What the template imports sees
+    ``OMP_WAIT_POLICY=PASSIVE`` (libgomp reads it once, as it loads); the tests' own
+    environment is as it was. A policy the user set is left as it is."""
+    folder = pytester.path.parent / f"{pytester.path.name}-libs"
+    folder.mkdir()
+    (folder / "omplib.py").write_text("import os\nSEEN = os.environ.get('OMP_WAIT_POLICY')\n")
+    monkeypatch.setenv("PYTHONPATH", str(folder), prepend=os.pathsep)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    if users:
+        monkeypatch.setenv("OMP_WAIT_POLICY", users)
+    else:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    pytester.makepyfile(
+        test_omp=f"""
+        import os, omplib, pytest
+
+        @pytest.mark.gpu(count=0)
+        def test_it():
+            assert omplib.SEEN == {users or "PASSIVE"!r}
+            assert os.environ.get("OMP_WAIT_POLICY") == {users or None!r}
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "--spawn-method", "forkserver", "--spawn-preload", "omplib", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=1)
