@@ -27,58 +27,70 @@ def project_dirs(rootdir: Path, test_files: Set[Path]) -> tuple[Path, ...]:
     """The folders right below the rootdir whose imported modules are the project's own
     code, not the suite's: none of the run's test files lies in them, nor any conftest
     this process loaded (``kornia/`` and ``timm/`` beside their ``tests/``)."""
-    tops: set[Path] = set()
-    suite: set[Path] = set()
+    root = str(rootdir)
+    tops: set[str] = set()
+    suite: set[str] = set()
     for test_file in test_files:
-        top = _top_below(test_file.resolve(), rootdir)
+        top = _top_below(str(test_file.resolve()), root)
         if top is not None:
             suite.add(top)
     for module in list(sys.modules.values()):
         filename = getattr(module, "__file__", None)
-        path = real_path(filename) if isinstance(filename, str) else None
+        path = _real(filename) if isinstance(filename, str) else None
         if path is None:
             continue
-        top = _top_below(path, rootdir)
+        top = _top_below(path, root)
         if top is None:
             continue
-        if path.name.startswith("conftest"):
+        if os.path.basename(path).startswith("conftest"):
             suite.add(top)
         else:
             tops.add(top)
-    return tuple(sorted(tops - suite))
+    return tuple(Path(top) for top in sorted(tops - suite))
 
 
-def _top_below(path: Path, rootdir: Path) -> Path | None:
-    """The folder right below ``rootdir`` that holds the resolved ``path`` (None: it is
-    not in one)."""
-    try:
-        parts = path.relative_to(rootdir).parts
-    except ValueError:
+def _top_below(path: str, root: str) -> str | None:
+    """The folder right below ``root`` that holds the resolved ``path`` (None: it is not
+    in one). Strings, not ``pathlib``: it is asked about each of ~1700 modules (torch's)
+    between the parent's collection and its first test."""
+    if not _inside(path, root):
         return None
-    return rootdir / parts[0] if len(parts) > 1 else None
+    first, sep, _ = path[len(root.rstrip(os.sep)) + 1 :].partition(os.sep)
+    return os.path.join(root, first) if sep else None
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or lies below it (both absolute and resolved)."""
+    folder = folder.rstrip(os.sep) or os.sep
+    return path == folder or path.startswith(folder if folder == os.sep else folder + os.sep)
 
 
 #: Each module file's resolved path, and each folder's: a process with torch has ~1700
 #: modules in ~200 folders, and resolving every path apart took ~0.1 s of the parent's
 #: time between its collection and its first test.
-_real_files: dict[str, Path | None] = {}
+_real_files: dict[str, str | None] = {}
 _real_folders: dict[str, str] = {}
 
 
 def real_path(filename: str) -> Path | None:
     """``Path(filename).resolve()``, resolving each folder once (None: it cannot be)."""
+    path = _real(filename)
+    return Path(path) if path is not None else None
+
+
+def _real(filename: str) -> str | None:
     if filename in _real_files:
         return _real_files[filename]
-    path: Path | None
+    path: str | None
     try:
         if not filename or os.path.islink(filename):
-            path = Path(filename).resolve() if filename else None
+            path = str(Path(filename).resolve()) if filename else None
         else:
             folder, name = os.path.split(os.path.abspath(filename))
             real = _real_folders.get(folder)
             if real is None:
                 real = _real_folders[folder] = os.path.realpath(folder)
-            path = Path(real, name)
+            path = os.path.join(real, name)
     except (OSError, ValueError):
         path = None
     _real_files[filename] = path
@@ -96,13 +108,13 @@ def is_library(module: Any, rootdir: Path, project: tuple[Path, ...] = ()) -> bo
     if name.startswith("_pytest") or top == "pytest":
         return False  # pytest itself comes first, whole
     filename = getattr(module, "__file__", None)
-    path = real_path(filename) if isinstance(filename, str) else None
+    path = _real(filename) if isinstance(filename, str) else None
     if path is None:
         return False
-    if path.name.startswith("conftest"):
+    if os.path.basename(path).startswith("conftest"):
         return False
-    if path.is_relative_to(rootdir):
-        return any(path.is_relative_to(folder) for folder in project)
+    if _inside(path, str(rootdir)):
+        return any(_inside(path, str(folder)) for folder in project)
     return True
 
 

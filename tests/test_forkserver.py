@@ -828,3 +828,45 @@ def test_the_templates_openmp_waits_passively_unseen_by_tests(pytester, monkeypa
         "--spawn-method", "forkserver", "--spawn-preload", "omplib", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=1)
+
+
+def test_the_templates_imports_run_without_garbage_collection(pytester, monkeypatch):
+    """Each full collection during an import walks every object imported so far (about
+    85 ms of the 0.77 s of ``import torch``), on a core the parent's own collection wants
+    at that moment. The template imports with the collector off and freezes what it
+    imported; the test's own process collects as usual."""
+    folder = pytester.path.parent / f"{pytester.path.name}-libs"
+    folder.mkdir()
+    (folder / "gclib.py").write_text(
+        "import gc\n"
+        "SEEN = []\n"
+        "def _seen(phase, info):\n"
+        "    if phase == 'start':\n"
+        "        SEEN.append(info['generation'])\n"
+        "gc.callbacks.append(_seen)\n"
+        "class Node:\n"
+        "    def __init__(self):\n"
+        "        self.me = self\n"
+        "for _ in range(20000):\n"
+        "    Node()\n"
+        "gc.callbacks.remove(_seen)\n"
+        "ENABLED = gc.isenabled()\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(folder), prepend=os.pathsep)
+    pytester.makepyfile(
+        test_gc="""
+        import gc, gclib, pytest
+
+        @pytest.mark.gpu(count=0)
+        def test_it():
+            assert gclib.SEEN == [] and not gclib.ENABLED
+            assert gc.isenabled()
+            before = gc.get_count()[0]
+            garbage = [[] for _ in range(2000)]
+            assert gc.get_count()[0] != before + 2000  # a collection ran meanwhile
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "--spawn-method", "forkserver", "--spawn-preload", "gclib", "-p", "no:cacheprovider"
+    )
+    result.assert_outcomes(passed=1)
