@@ -170,10 +170,13 @@ class _Template:
                     now = {m.partition(".")[0] for m in sys.modules}
                     suspects = sorted({top} | (now - before))
             _metadata.snapshot()  # each fork's pytest reads the installed packages from it
-            # What the template imported lives as long as it does: keep the collector off
-            # it, so children neither scan it (pytest's final collections took ~0.3 s with
-            # torch) nor copy its pages by touching object headers (the pre-fork idiom
-            # gc.freeze is made for).
+            # The garbage the imports left (cycles holding files, say) is collected once,
+            # here, not at every threshold along the way (``_collector_paused``). What is
+            # left lives as long as the template: keep the collector off it, so children
+            # neither scan it (pytest's final collections took ~0.3 s with torch) nor copy
+            # its pages by touching object headers (the pre-fork idiom gc.freeze is made
+            # for).
+            gc.collect()
             gc.freeze()
         self.conn.send(proto.ZygoteReady(os.getpid(), self.refusal, culprit, failed, suspects))
 
@@ -292,8 +295,8 @@ def _collector_paused() -> Iterator[None]:
     """While the template imports: no garbage collection. Each full collection walks every
     object imported so far, and an import of torch grows them from about 20 thousand to
     165 thousand: its collections took about 85 ms of the 0.77 s import, on a core the
-    parent's own collection wants at that moment. What the import leaves as garbage (some
-    7,000 objects with torch) is frozen with the rest; the forks collect as usual.
+    parent's own collection wants at that moment; one collection after it takes 40-60 ms.
+    The forks collect as usual.
     """
     enabled = gc.isenabled()
     gc.disable()

@@ -833,8 +833,9 @@ def test_the_templates_openmp_waits_passively_unseen_by_tests(pytester, monkeypa
 def test_the_templates_imports_run_without_garbage_collection(pytester, monkeypatch):
     """Each full collection during an import walks every object imported so far (about
     85 ms of the 0.77 s of ``import torch``), on a core the parent's own collection wants
-    at that moment. The template imports with the collector off and freezes what it
-    imported; the test's own process collects as usual."""
+    at that moment. The template imports with the collector off, collects the garbage
+    the imports left once (its finalizers run), and freezes the rest; the test's own
+    process collects as usual."""
     folder = pytester.path.parent / f"{pytester.path.name}-libs"
     folder.mkdir()
     (folder / "gclib.py").write_text(
@@ -844,11 +845,16 @@ def test_the_templates_imports_run_without_garbage_collection(pytester, monkeypa
         "    if phase == 'start':\n"
         "        SEEN.append(info['generation'])\n"
         "gc.callbacks.append(_seen)\n"
+        "FINALIZED = []\n"
         "class Node:\n"
         "    def __init__(self):\n"
         "        self.me = self\n"
+        "class Held(Node):\n"
+        "    def __del__(self):\n"
+        "        FINALIZED.append(True)\n"
         "for _ in range(20000):\n"
         "    Node()\n"
+        "Held()\n"
         "gc.callbacks.remove(_seen)\n"
         "ENABLED = gc.isenabled()\n"
     )
@@ -860,6 +866,7 @@ def test_the_templates_imports_run_without_garbage_collection(pytester, monkeypa
         @pytest.mark.gpu(count=0)
         def test_it():
             assert gclib.SEEN == [] and not gclib.ENABLED
+            assert gclib.FINALIZED == [True]  # the garbage it left was collected, once
             assert gc.isenabled()
             before = gc.get_count()[0]
             garbage = [[] for _ in range(2000)]
