@@ -16,6 +16,7 @@ import pytest
 
 from spawnrun import _inventory
 from spawnrun import _packing
+from spawnrun import _parse
 from spawnrun import _settings
 
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
@@ -108,10 +109,10 @@ def _needs(plan: _packing.Plan, budget: str = "") -> str:
 
 def _scope_key(item: pytest.Item, settings: _settings.Settings) -> str:
     """The scope whose child runs ``item`` ("": a child of its own)."""
-    group = _closest_kwarg(item, settings, "group", _settings.parse_group)
+    group = _closest_kwarg(item, settings, "group", _parse.parse_group)
     if group:
         return f"group {group}"
-    scope = _closest_kwarg(item, settings, "scope", _settings.parse_scope) or settings.scope
+    scope = _closest_kwarg(item, settings, "scope", _parse.parse_scope) or settings.scope
     if scope == "module":
         return f"module {item.nodeid.split('::')[0]}"
     if scope == "class":

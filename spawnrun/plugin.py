@@ -33,6 +33,7 @@ from spawnrun import _headstart
 from spawnrun import _inventory
 from spawnrun import _learned
 from spawnrun import _packing
+from spawnrun import _parse
 from spawnrun import _probe
 from spawnrun import _reports
 from spawnrun import _runner
@@ -133,7 +134,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # NVML lookups and children's environments name devices through it, from now on.
     _inventory.activate(inventory)
     config.add_cleanup(lambda: _inventory.activate(None))
-    cpus = _settings.usable_cpus()
+    cpus = _parse.usable_cpus()
     per_gpu = settings.per_gpu or _packing.default_per_gpu(cpus, len(inventory.ids))
     if settings.pack == "off":
         per_gpu = 1
@@ -164,7 +165,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _collected = config.stash[COLLECTED_KEY] = _learned.Collected(config)
     lookahead = settings.lookahead
     if lookahead is None:
-        lookahead = _settings.default_lookahead()
+        lookahead = _parse.default_lookahead()
     holder = None
     if (
         settings.method == "forkserver"

@@ -9,6 +9,7 @@ import pytest
 
 from spawnrun import _devices
 from spawnrun import _inventory
+from spawnrun import _parse
 from spawnrun import _settings
 
 
@@ -162,7 +163,7 @@ def test_marker_name_precedence(ini, env, cli, expected):
 )
 def test_bad_marker_names(value, message):
     with pytest.raises(pytest.UsageError, match=f"^ini option 'spawn_marker': .*{message}"):
-        _settings.parse_marker(value, "ini option 'spawn_marker'")
+        _parse.parse_marker(value, "ini option 'spawn_marker'")
 
 
 @pytest.mark.parametrize(
@@ -213,13 +214,13 @@ def test_help_texts_come_from_one_table(pytester):
     [(2, 20, 1), (1, 20, 1), (16, 100, 8), (64, 100, 8), (8, 100, 4), (16, 4, 2), (8, 1, 0)],
 )
 def test_default_lookahead_follows_cpus_and_memory(cpus, free_gib, expected):
-    assert _settings.default_lookahead(cpus, free_gib * 2**30) == expected
+    assert _parse.default_lookahead(cpus, free_gib * 2**30) == expected
 
 
 @pytest.mark.parametrize("value", ["inf", "1e9", float("inf"), 1e12])
 def test_huge_timeouts_mean_no_limit(value):
     # A deadline that far would overflow the event loop's waits (OverflowError).
-    assert _settings.parse_timeout(value, "test") is None
+    assert _parse.parse_timeout(value, "test") is None
 
 
 BOTH = {"spawn_gpu": True, "no_spawn": True}
