@@ -39,6 +39,17 @@ RECORD_PARENT = (
 )
 
 
+def _libraries(pytester, monkeypatch, **modules: str):
+    """A folder outside the rootdir holding ``modules`` (name -> source), first on the
+    children's ``PYTHONPATH``: libraries, not the suite's own code."""
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    libs.mkdir()
+    for name, source in modules.items():
+        (libs / f"{name}.py").write_text(source)
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=os.pathsep)
+    return libs
+
+
 def _run_fast(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     """Run the inner suite in fast mode (the zygote)."""
     return pytester.runpytest_subprocess(
@@ -257,14 +268,13 @@ def test_template_leaves_out_a_library_that_starts_a_thread(pytester, monkeypatc
     # Libraries outside the rootdir, imported by the collection or loaded as plugins, are
     # preloaded; one that starts a thread at import is left to the children (so is a
     # plugin module that does), and forking goes on.
-    libs = pytester.path.parent / f"{pytester.path.name}-libs"
-    libs.mkdir()
-    (libs / "quietlib.py").write_text("VALUE = 1\n")
-    (libs / "threadlib.py").write_text(
-        "import threading, time\n"
-        "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n"
+    _libraries(
+        pytester,
+        monkeypatch,
+        quietlib="VALUE = 1\n",
+        threadlib="import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n",
     )
-    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
     pytester.makeconftest(RECORD_PARENT)
     pytester.makepyfile(
         test_libs=f"""
@@ -440,15 +450,14 @@ def test_s_streams_a_forked_childs_output_live(pytester):
 def test_what_made_a_template_unsafe_is_left_out_from_the_start_next_time(pytester, monkeypatch):
     # The first run builds the template, finds threadlib unsafe and builds it again
     # without it; pytest's cache keeps that, so the next run's template never imports it.
-    libs = pytester.path.parent / f"{pytester.path.name}-libs"
-    libs.mkdir()
-    (libs / "threadlib.py").write_text(
-        "import os, threading, time\n"
+    _libraries(
+        pytester,
+        monkeypatch,
+        threadlib="import os, threading, time\n"
         "with open(os.environ['IMPORTERS'], 'a') as f:\n"
         "    f.write(f'{os.getpid()}\\n')\n"
-        "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n"
+        "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n",
     )
-    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
     importers = pytester.path / "importers.txt"
     monkeypatch.setenv("IMPORTERS", str(importers))
     pytester.makepyfile(
@@ -481,15 +490,14 @@ def test_libraries_tests_imported_are_preloaded_on_the_next_run(pytester, monkey
     import in every child, on every run: the template preloads only what collection
     imported. Now what the tests imported last time is preloaded; one that makes the
     template unsafe is left out as before, and the tests pass either way."""
-    libs = pytester.path.parent / f"{pytester.path.name}-libs"
-    libs.mkdir()
     record = "import os\nIMPORTED_IN = os.getpid()\n"
-    (libs / "heavylib.py").write_text(record)
-    (libs / "threadlib.py").write_text(
-        record + "import threading, time\n"
-        "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n"
+    _libraries(
+        pytester,
+        monkeypatch,
+        heavylib=record,
+        threadlib=record + "import threading, time\n"
+        "threading.Thread(target=time.sleep, args=(300,), daemon=True).start()\n",
     )
-    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
     pytester.makepyfile(
         test_libs="""
         import json, os
@@ -570,12 +578,9 @@ def test_the_template_runs_its_exit_work_as_it_leaves(pytester, monkeypatch):
     # The parent's session end waits for the template to exit: like a child, it leaves
     # without the interpreter's teardown of what it imported (~75 ms with torch), but
     # its exit work still runs (atexit: coverage's save, a library's cleanup).
-    libs = pytester.path.parent / f"{pytester.path.name}-libs"
-    libs.mkdir()
-    (libs / "exitlib.py").write_text(EXIT_LIB)
+    _libraries(pytester, monkeypatch, exitlib=EXIT_LIB)
     marks = pytester.path / "marks"
     marks.mkdir()
-    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
     monkeypatch.setenv("EXIT_MARKS", str(marks))
     pytester.makepyfile(
         "import os, pytest\n"
@@ -612,11 +617,8 @@ def test_forks_find_pytests_own_plugins_imported(pytester, monkeypatch):
     # ``import pytest`` leaves most of its built-in plugins to the configuration: the
     # template imports those the parent's pytest loaded, so no fork's pytest imports
     # them again as it configures.
-    libs = pytester.path.parent / f"{pytester.path.name}-libs"
-    libs.mkdir()
-    (libs / "importwatch.py").write_text(IMPORT_WATCH)
+    _libraries(pytester, monkeypatch, importwatch=IMPORT_WATCH)
     log = pytester.path / "imports.log"
-    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=":")
     monkeypatch.setenv("IMPORT_LOG", str(log))
     pytester.makepyfile(
         "import pytest\n@pytest.mark.gpu\n@pytest.mark.parametrize('i', [1, 2])\n"
@@ -805,10 +807,9 @@ def test_the_templates_openmp_waits_passively_unseen_by_tests(pytester, monkeypa
     with libgomp's passive waiting it took 0.60x. What the template imports sees
     ``OMP_WAIT_POLICY=PASSIVE`` (libgomp reads it once, as it loads); the tests' own
     environment is as it was. A policy the user set is left as it is."""
-    folder = pytester.path.parent / f"{pytester.path.name}-libs"
-    folder.mkdir()
-    (folder / "omplib.py").write_text("import os\nSEEN = os.environ.get('OMP_WAIT_POLICY')\n")
-    monkeypatch.setenv("PYTHONPATH", str(folder), prepend=os.pathsep)
+    _libraries(
+        pytester, monkeypatch, omplib="import os\nSEEN = os.environ.get('OMP_WAIT_POLICY')\n"
+    )
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     if users:
         monkeypatch.setenv("OMP_WAIT_POLICY", users)
@@ -836,10 +837,10 @@ def test_the_templates_imports_run_without_garbage_collection(pytester, monkeypa
     at that moment. The template imports with the collector off, collects the garbage
     the imports left once (its finalizers run), and freezes the rest; the test's own
     process collects as usual."""
-    folder = pytester.path.parent / f"{pytester.path.name}-libs"
-    folder.mkdir()
-    (folder / "gclib.py").write_text(
-        "import gc\n"
+    _libraries(
+        pytester,
+        monkeypatch,
+        gclib="import gc\n"
         "SEEN = []\n"
         "def _seen(phase, info):\n"
         "    if phase == 'start':\n"
@@ -856,9 +857,8 @@ def test_the_templates_imports_run_without_garbage_collection(pytester, monkeypa
         "    Node()\n"
         "Held()\n"
         "gc.callbacks.remove(_seen)\n"
-        "ENABLED = gc.isenabled()\n"
+        "ENABLED = gc.isenabled()\n",
     )
-    monkeypatch.setenv("PYTHONPATH", str(folder), prepend=os.pathsep)
     pytester.makepyfile(
         test_gc="""
         import gc, gclib, pytest
