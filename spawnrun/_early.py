@@ -123,9 +123,12 @@ def guess(path: Path, marker: str, remembered: dict[str, Guess], rootdir: Path) 
             text = f.read(_MARKER_SCAN)
     except OSError:
         return None
-    if re.search(rf"\bmark\.{re.escape(marker)}\b", text) is None:
+    found = re.search(rf"\bmark\.{re.escape(marker)}\b(\([^()]*\))?", text)
+    if found is None:
         return None
-    return (True, None, None, "")
+    # Its first mark's literal count (``gpu(count=0)``: no device), else the default.
+    count = re.search(r"\bcount\s*=\s*(\d+)\b", found.group(1) or "")
+    return (True, int(count.group(1)) if count else None, None, "")
 
 
 def remembered(config: Any) -> dict[str, Guess]:

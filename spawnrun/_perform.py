@@ -212,6 +212,9 @@ class Performer(Units):
         job.start()  # takes it if its arguments and environment are the test's
         job.early = None
         self.early.taken += own.taken
+        # Not taken (the test's child also collects another file: a group): it is ended,
+        # never left waiting for a test, which the run's exit would wait for too.
+        self.graveyard.extend(own.close())
         self.graveyard.extend(job.take_retired())
         unit.job = job
 

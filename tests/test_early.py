@@ -104,10 +104,12 @@ WRONG_GUESS = """
 import os
 import pytest
 
-# Names the marker: a child is started for this file, for one GPU.
+# Names the marker, with no literal count: a child is started for this file, for one
+# GPU (the marker's default).
+TWO = 2
 
 
-@pytest.mark.gpu(count=2)
+@pytest.mark.gpu(count=TWO)
 def test_two():
     assert sorted(os.environ["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"]
     with open(os.environ["EARLY_RAN"], "a") as f:
@@ -142,6 +144,43 @@ def test_a_child_started_for_other_devices_or_no_selected_test_runs_nothing(pyte
     result.stdout.fnmatch_lines(
         ["*::test_two PASSED*", "2 children started while collecting (0 used)"]
     )
+
+
+GROUP_FIRST = """
+import pytest
+
+
+@pytest.mark.gpu(count=0, group="llm")
+def test_first():
+    pass
+
+
+@pytest.mark.gpu(count=0)
+def test_between():
+    pass
+"""
+
+GROUP_SECOND = """
+import pytest
+
+
+@pytest.mark.gpu(count=0, group="llm")
+def test_second():
+    pass
+"""
+
+
+def test_a_child_started_for_a_file_whose_test_joins_a_group_elsewhere_is_ended(pytester):
+    # The first file's child was started for that file alone; its first test shares a
+    # child with a test of another file (a group), so the child cannot serve it. It is
+    # ended, not left waiting for a test that never comes (the run's exit waited for
+    # it forever). From the second run on, pytest's cache says what the file's first
+    # test needs: the child's guess is then right but for the group.
+    pytester.makepyfile(test_g1=GROUP_FIRST, test_g2=GROUP_SECOND)
+    for _ in range(3):
+        result = pytester.runpytest_subprocess("--spawn-jobs", "1", timeout=30)
+        result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["1 child started while collecting (0 used)"])
 
 
 SIBLING = """
@@ -322,6 +361,10 @@ def test_what_is_remembered_is_what_each_files_first_spawned_test_needed(tmp_pat
     assert _early.guess(c, "gpu", known, tmp_path) is None
     c.write_text("import pytest\n\n@pytest.mark.gpu\ndef test_c():\n    pass\n")
     assert _early.guess(c, "gpu", {}, tmp_path) == (True, None, None, "")  # the default
+    c.write_text("import pytest\n\n@pytest.mark.gpu(timeout=5, count=0)\ndef test_c():\n    pass\n")
+    assert _early.guess(c, "gpu", {}, tmp_path) == (True, 0, None, "")  # its literal count
+    c.write_text("import pytest\n\n@pytest.mark.gpu(count=N)\ndef test_c():\n    pass\n")
+    assert _early.guess(c, "gpu", {}, tmp_path) == (True, None, None, "")
     # A record of an earlier version (marked, count) still reads, as no budget.
     config.cache.set(_early.SPAWNED_KEY, {"test_a.py": [True, 2]})
     assert _early.remembered(config) == {"test_a.py": (True, 2, None, "")}
