@@ -28,6 +28,7 @@ import dataclasses
 import gc
 import os
 import pickle
+import time
 from collections.abc import Callable
 from multiprocessing import Pipe
 from multiprocessing import reduction
@@ -60,7 +61,9 @@ def take_environment(request: proto.ForkRequest) -> None:
     marks: what a fork of the zygote or of a template has before any suite code runs."""
     for name in request.unset:
         os.environ.pop(name, None)
-    os.environ.update(request.env)
+    # Only what differs: each value set is a putenv, and the fork's own copy of pages.
+    environ = os.environ
+    environ.update({k: v for k, v in request.env.items() if environ.get(k) != v})
 
 
 def _kind(request: proto.ForkRequest) -> bytes | None:
@@ -99,6 +102,9 @@ class _Template:
         #: Why it does not fork ("": it may, once ready).
         self.refusal = ""
         self.retired = False
+        #: Started ahead of its kind's first test (``Pool.prime``): that test waits
+        #: for it once, rather than configuring pytest again beside it.
+        self.primed = False
 
 
 class Pool:
@@ -126,15 +132,12 @@ class Pool:
         kind = _kind(request)
         if kind is None or kind in self.refused:
             return None
-        template = next((t for t in self.templates if t.kind == kind and not t.retired), None)
+        template = self._serving(kind)
         if template is None:
-            live = [t for t in self.templates if not t.retired]
-            if len(live) >= LIMIT:
-                self._retire(live[0])
-            started = start(request)
-            if started is not None:
-                self.templates.append(_Template(kind, *started))
+            self._start(kind, request, start)
             return None
+        if template.primed:
+            self._await_ready(template)
         if not template.ready or template.refusal:
             return None
         try:
@@ -145,6 +148,49 @@ class Pool:
         except (OSError, EOFError):
             template.refusal = "it stopped answering"
             return None
+
+    def prime(
+        self,
+        request: proto.ForkRequest,
+        start: Callable[[proto.ForkRequest], tuple[int, Connection] | None],
+    ) -> None:
+        """Start a template of ``request``'s kind now, if none serves it (``Prime``)."""
+        kind = _kind(request)
+        if kind is not None and kind not in self.refused and self._serving(kind) is None:
+            template = self._start(kind, request, start)
+            if template is not None:
+                template.primed = True
+
+    def _await_ready(self, template: _Template) -> None:
+        """Wait, once, for a primed template to be configured. The test's own child
+        would configure pytest just as it does, beside it, on the same cores: the first
+        tests of a run forked that way cost several times a fork of the template."""
+        template.primed = False
+        end = time.monotonic() + ANSWER_LIMIT
+        try:
+            while not template.ready and template.conn.poll(max(0.0, end - time.monotonic())):
+                self._take(template, template.conn.recv())
+        except (OSError, EOFError):
+            template.refusal = "it ended before it was configured"
+
+    def _serving(self, kind: bytes) -> _Template | None:
+        return next((t for t in self.templates if t.kind == kind and not t.retired), None)
+
+    def _start(
+        self,
+        kind: bytes,
+        request: proto.ForkRequest,
+        start: Callable[[proto.ForkRequest], tuple[int, Connection] | None],
+    ) -> _Template | None:
+        live = [t for t in self.templates if not t.retired]
+        if len(live) >= LIMIT:
+            self._retire(live[0])
+        started = start(request)
+        if started is None:
+            return None
+        template = _Template(kind, *started)
+        self.templates.append(template)
+        return template
 
     def _answer(self, template: _Template) -> int | None:
         while template.conn.poll(ANSWER_LIMIT):

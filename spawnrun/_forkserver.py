@@ -140,19 +140,27 @@ class Zygote:
             answer = reply
         return answer
 
+    def prime(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
+        """Have a template configured for tests like ``spec`` (no answer comes)."""
+        with contextlib.suppress(OSError):
+            self.conn.send(proto.Prime(self._request(spec, env)))
+
+    def _request(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> proto.ForkRequest:
+        unset = [k for k in self.environ if k not in os.environ]
+        return proto.ForkRequest(spec, {**os.environ, **env}, unset, spec.log_path is None)
+
     def fork(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> ForkedChild | str:
         """A forked child, or why the template would not fork one.
 
         The child gets the parent's environment as it is now (as a spawned child would),
         not the template's from the session's start, plus ``env``.
         """
-        unset = [k for k in self.environ if k not in os.environ]
+        request = self._request(spec, env)
         try:
             parent_conn, child_conn = _runner.CTX.Pipe(duplex=True)
-            live = spec.log_path is None
-            self.conn.send(proto.ForkRequest(spec, {**os.environ, **env}, unset, live))
+            self.conn.send(request)
             reduction.send_handle(self.conn, child_conn.fileno(), self.pid)
-            if live:  # with -s the child writes where the parent does
+            if request.live:  # with -s the child writes where the parent does
                 for stream in (1, 2):
                     reduction.send_handle(self.conn, stream, self.pid)
             child_conn.close()
@@ -280,6 +288,8 @@ class ZygoteHolder:
         self.config: Any = None
         #: The head start (``_headstart.HeadStart``), told if its template was stale.
         self.early: Any = None
+        #: Whether a template was asked to configure pytest ahead (``prime``).
+        self.primed = False
 
     def start(self, config: Any, early: Any = None) -> None:
         """Start the template now, so its imports overlap the parent's own collection;
@@ -373,6 +383,16 @@ class ZygoteHolder:
             self._turn_off(config, child)
             return None
         return child
+
+    def prime(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
+        """While the parent collects: the template configures pytest for tests like
+        ``spec`` (with ``env``) before the first comes, once per run. A wrong guess costs
+        the template one configuration; a test of another kind starts its own, as before.
+        """
+        if self.primed or self.zygote is None or self.off:
+            return
+        self.primed = True
+        self.zygote.prime(spec, env)
 
     def _check(self, config: Any) -> None:
         assert self.zygote is not None

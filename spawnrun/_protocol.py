@@ -377,6 +377,17 @@ class ForkRequest:
 
 
 @dataclass(frozen=True)
+class Prime:
+    """Configure a template for tests like ``request``'s before the first of them comes.
+
+    Sent while the parent still collects: a fork request like the first spawned test's
+    (its devices guessed), no pipe ends follow and nothing is forked for it. No answer.
+    """
+
+    request: ForkRequest
+
+
+@dataclass(frozen=True)
 class Forked:
     pid: int
 

@@ -182,6 +182,19 @@ def start_early(config: pytest.Config, path: str, env: Mapping[str, str]) -> _ru
     return _runner.ChildProcess(spec, env={**config.stash[SHARED_KEY].environ, **env})
 
 
+def prime(config: pytest.Config, path: str, env: Mapping[str, str]) -> None:
+    """Fast mode, while the parent collects: the zygote configures a template for tests
+    like ``path``'s (``env``: their guessed devices) before the first is asked for, so
+    that it forks from one at once instead of configuring pytest in its own process.
+    Once per run; nothing where children configure pytest themselves."""
+    holder = config.stash.get(ZYGOTE_KEY, None)
+    run = config.stash.get(SHARED_KEY, None)
+    if holder is None or holder.primed or run is None or not run.run_args:
+        return
+    spec = _spec(config, "template", [path], nodeid=path)
+    holder.prime(spec, {**run.environ, **env})
+
+
 def assign(
     child: _runner.ChildProcess,
     item: pytest.Item,

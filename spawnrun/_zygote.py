@@ -151,14 +151,17 @@ class _Template:
         for name in modules:
             groups.setdefault(name.partition(".")[0], []).append(name)
         suspects: list[str] = []
+        imported = False
         with _rewriting(self.rewriter), _openmp_waits_passively(), _collector_paused():
             for top, names in groups.items():
                 if self.refusal:
                     break
+                names = [name for name in names if name not in sys.modules]
+                if not names:
+                    continue  # imported already: nothing to check again
+                imported = True
                 before = {m.partition(".")[0] for m in sys.modules}
                 for name in names:
-                    if name in sys.modules:
-                        continue
                     try:
                         importlib.import_module(name)
                     except BaseException as exc:  # noqa: BLE001 - the children import it
@@ -176,8 +179,9 @@ class _Template:
             # neither scan it (pytest's final collections took ~0.3 s with torch) nor copy
             # its pages by touching object headers (the pre-fork idiom gc.freeze is made
             # for).
-            gc.collect()
-            gc.freeze()
+            if imported or not gc.get_freeze_count():  # nothing new: nothing to collect
+                gc.collect()
+                gc.freeze()
         self.conn.send(proto.ZygoteReady(os.getpid(), self.refusal, culprit, failed, suspects))
 
     def update(self, path: list[str] | None, rewrite: proto.Rewrite | None) -> str:
@@ -197,6 +201,16 @@ class _Template:
             sys.path[:] = path
         return ""
 
+    def changes(self, preload: proto.Preload) -> bool:
+        """Whether ``preload`` would change what a configured template forks from: a
+        module not imported yet (collection's preload lists everything it imported,
+        torch's hundreds of modules too), another ``sys.path`` or other rewriting."""
+        if preload.path is not None and preload.path != sys.path:
+            return True
+        if preload.rewrite is not None and set(preload.rewrite.names) != self.marked:
+            return True
+        return any(name not in sys.modules for name in preload.modules)
+
     def serve(self) -> None:
         while True:
             ready = wait([self.conn, *self.children, *self.pool.watched()])
@@ -211,12 +225,16 @@ class _Template:
             except (EOFError, OSError):
                 return  # the parent is done with us
             if isinstance(request, proto.Preload):
-                self.pool.retire()  # configured before these imports, or with another path
+                if self.changes(request):
+                    self.pool.retire()  # configured before these imports, or another path
                 stale = self.update(request.path, request.rewrite)
                 if stale:
                     self.conn.send(proto.ZygoteReady(os.getpid(), stale=stale))
                 else:
                     self.load(request.modules)
+            elif isinstance(request, proto.Prime):
+                if not self.refusal:
+                    self.pool.prime(request.request, lambda r: self._configure(r, []))
             elif isinstance(request, proto.ForkRequest):
                 fd = reduction.recv_handle(self.conn)
                 # With -s the child writes where the parent does, not to our log.

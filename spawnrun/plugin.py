@@ -361,7 +361,9 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     is started. A test that needs others dismisses it.
     """
     scheduler = config.stash.get(SCHEDULER_KEY, None)
-    if scheduler is None or not scheduler.early.wants():
+    holder = config.stash.get(_starting.ZYGOTE_KEY, None)
+    primes = holder is not None and not holder.primed
+    if scheduler is None or not (scheduler.early.wants() or primes):
         return
     settings = config.stash[SETTINGS_KEY]
     if REMEMBERED_KEY not in config.stash:
@@ -379,7 +381,12 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     plan = _plan_from(marked, count, settings, {}, ids, capacity, None, None)
     if need is not None:  # the budget the file's first spawned test had last time
         plan = replace(plan, need=need, budget_source=source, alone_because="")
-    scheduler.expect(str(path), plan)  # the dispatcher decides whether, and where
+    if scheduler.early.wants():
+        scheduler.expect(str(path), plan)  # the dispatcher decides whether, and where
+    elif primes:  # fast mode: a fork of a configured template, rather than a spawn
+        devices = list(ids) if plan.every else list(ids[: plan.count])
+        env = _starting.child_env(config, plan, devices, capacity)
+        _starting.prime(config, str(path), env)
 
 
 @pytest.hookimpl

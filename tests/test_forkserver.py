@@ -62,13 +62,14 @@ def _where(pytester: pytest.Pytester, i: int) -> str:
 
 
 def _forked(pytester: pytest.Pytester, n: int) -> bool:
-    """Whether the n tests ran in distinct children forked from one template (else spawned)."""
+    """Whether the n tests ran in distinct forked children (else spawned): their parent is
+    the zygote or one of its configured templates, never pytest."""
     rows = [json.loads((pytester.path / f"where{i}.json").read_text()) for i in range(1, n + 1)]
     assert len({pid for pid, _ in rows}) == n
     parents = {ppid for _, ppid in rows}
     pytest_pid = int((pytester.path / "parent.pid").read_text())
     assert parents == {pytest_pid} or pytest_pid not in parents
-    return parents != {pytest_pid} and len(parents) == 1
+    return pytest_pid not in parents
 
 
 @pytest.mark.parametrize("template", ["library", "file", "run"])
@@ -798,6 +799,38 @@ def test_a_configured_template_configures_pytest_once_for_tests_of_many_files(
     failure = result.stdout.str().split("Captured stdout call")[1].split("short test summary")[0]
     assert "printed by 3" in failure
     assert not any(f"printed by {i}" in failure for i in range(n) if i != 3)
+
+
+PRIMED_TEST = """
+import os
+import pytest
+import a_library
+
+@pytest.mark.gpu(count=0)
+def test_{i}():
+    with open(os.path.join(os.environ["RECORDS"], "ran-{i}"), "w") as f:
+        f.write(str(os.getpid()))
+"""
+
+
+def test_the_first_tests_fork_from_a_template_configured_while_collecting(pytester, monkeypatch):
+    """The zygote configures pytest in a template while the parent still collects, for
+    tests like the first spawned file's; the first tests wait for it rather than each
+    configuring pytest beside it. Collection's preload of what the zygote has imported
+    already (a library the test files import) leaves that template serving."""
+    records = pytester.path / "records"
+    records.mkdir()
+    monkeypatch.setenv("RECORDS", str(records))
+    _libraries(pytester, monkeypatch, a_library="VALUE = 1\n")
+    pytester.makeconftest(CONFIGURED_CONFTEST)
+    n = 6
+    pytester.makepyfile(**{f"test_{i}": PRIMED_TEST.format(i=i) for i in range(n)})
+    result = _run_fast(pytester, "--spawn-jobs", "2")
+    result.assert_outcomes(passed=n)
+    tests = {int((records / f"ran-{i}").read_text()) for i in range(n)}
+    configured = {int(p.name.split("-")[1]) for p in records.glob("configured-*")}
+    assert len(tests) == n
+    assert len(configured) == 1 and not configured & tests, configured
 
 
 @pytest.mark.parametrize("users", ["", "ACTIVE"], ids=["unset", "the-users"])
