@@ -153,18 +153,20 @@ class Pool:
         self,
         request: proto.ForkRequest,
         start: Callable[[proto.ForkRequest], tuple[int, Connection] | None],
+        wait: bool,
     ) -> None:
-        """Start a template of ``request``'s kind now, if none serves it (``Prime``)."""
+        """Start a template of ``request``'s kind now, if none serves it (``Prime``);
+        ``wait``: its kind's first test waits for it."""
         kind = _kind(request)
         if kind is not None and kind not in self.refused and self._serving(kind) is None:
             template = self._start(kind, request, start)
             if template is not None:
-                template.primed = True
+                template.primed = wait
 
     def _await_ready(self, template: _Template) -> None:
         """Wait, once, for a primed template to be configured. The test's own child
-        would configure pytest just as it does, beside it, on the same cores: the first
-        tests of a run forked that way cost several times a fork of the template."""
+        would configure pytest just as it does, beside it: where the cores are few, the
+        first tests of a run forked that way cost several times a fork of the template."""
         template.primed = False
         end = time.monotonic() + ANSWER_LIMIT
         try:

@@ -140,10 +140,10 @@ class Zygote:
             answer = reply
         return answer
 
-    def prime(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
+    def prime(self, spec: proto.ChildSpec, env: Mapping[str, str], wait: bool) -> None:
         """Have a template configured for tests like ``spec`` (no answer comes)."""
         with contextlib.suppress(OSError):
-            self.conn.send(proto.Prime(self._request(spec, env)))
+            self.conn.send(proto.Prime(self._request(spec, env), wait))
 
     def _request(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> proto.ForkRequest:
         unset = [k for k in self.environ if k not in os.environ]
@@ -384,15 +384,16 @@ class ZygoteHolder:
             return None
         return child
 
-    def prime(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
+    def prime(self, spec: proto.ChildSpec, env: Mapping[str, str], wait: bool) -> None:
         """While the parent collects: the template configures pytest for tests like
         ``spec`` (with ``env``) before the first comes, once per run. A wrong guess costs
         the template one configuration; a test of another kind starts its own, as before.
+        ``wait``: the first test of its kind waits for it.
         """
         if self.primed or self.zygote is None or self.off:
             return
         self.primed = True
-        self.zygote.prime(spec, env)
+        self.zygote.prime(spec, env, wait)
 
     def _check(self, config: Any) -> None:
         assert self.zygote is not None

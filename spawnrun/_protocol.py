@@ -385,6 +385,9 @@ class Prime:
     """
 
     request: ForkRequest
+    #: The first test of its kind waits for it (few cores), rather than configuring
+    #: pytest itself beside it.
+    wait: bool = False
 
 
 @dataclass(frozen=True)

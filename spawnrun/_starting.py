@@ -182,17 +182,18 @@ def start_early(config: pytest.Config, path: str, env: Mapping[str, str]) -> _ru
     return _runner.ChildProcess(spec, env={**config.stash[SHARED_KEY].environ, **env})
 
 
-def prime(config: pytest.Config, path: str, env: Mapping[str, str]) -> None:
+def prime(config: pytest.Config, path: str, env: Mapping[str, str], wait: bool) -> None:
     """Fast mode, while the parent collects: the zygote configures a template for tests
     like ``path``'s (``env``: their guessed devices) before the first is asked for, so
-    that it forks from one at once instead of configuring pytest in its own process.
-    Once per run; nothing where children configure pytest themselves."""
+    that it forks from one sooner (``wait``: the first waits for it rather than
+    configuring pytest in its own process). Once per run; nothing where children
+    configure pytest themselves."""
     holder = config.stash.get(ZYGOTE_KEY, None)
     run = config.stash.get(SHARED_KEY, None)
     if holder is None or holder.primed or run is None or not run.run_args:
         return
     spec = _spec(config, "template", [path], nodeid=path)
-    holder.prime(spec, {**run.environ, **env})
+    holder.prime(spec, {**run.environ, **env}, wait)
 
 
 def assign(

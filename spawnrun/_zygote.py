@@ -234,7 +234,7 @@ class _Template:
                     self.load(request.modules)
             elif isinstance(request, proto.Prime):
                 if not self.refusal:
-                    self.pool.prime(request.request, lambda r: self._configure(r, []))
+                    self.pool.prime(request.request, lambda r: self._configure(r, []), request.wait)
             elif isinstance(request, proto.ForkRequest):
                 fd = reduction.recv_handle(self.conn)
                 # With -s the child writes where the parent does, not to our log.

@@ -386,7 +386,10 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     elif primes:  # fast mode: a fork of a configured template, rather than a spawn
         devices = list(ids) if plan.every else list(ids[: plan.count])
         env = _starting.child_env(config, plan, devices, capacity)
-        _starting.prime(config, str(path), env)
+        # The first tests wait for it where the cores are fewer than what would configure
+        # pytest at once (it, the parent, the first jobs); else they do beside it.
+        wait = scheduler.cpus < scheduler.limit + 2
+        _starting.prime(config, str(path), env, wait)
 
 
 @pytest.hookimpl

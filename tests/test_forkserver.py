@@ -801,6 +801,13 @@ def test_a_configured_template_configures_pytest_once_for_tests_of_many_files(
     assert not any(f"printed by {i}" in failure for i in range(n) if i != 3)
 
 
+PRIMED_CONFTEST = """
+import os
+# Two cores at most, as pytest configures (the CI machine's): the first tests wait for
+# the template rather than configuring pytest beside it.
+os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
+"""
+
 PRIMED_TEST = """
 import os
 import pytest
@@ -815,14 +822,14 @@ def test_{i}():
 
 def test_the_first_tests_fork_from_a_template_configured_while_collecting(pytester, monkeypatch):
     """The zygote configures pytest in a template while the parent still collects, for
-    tests like the first spawned file's; the first tests wait for it rather than each
-    configuring pytest beside it. Collection's preload of what the zygote has imported
-    already (a library the test files import) leaves that template serving."""
+    tests like the first spawned file's; on few cores the first tests wait for it rather
+    than each configuring pytest beside it. Collection's preload of what the zygote has
+    imported already (a library the test files import) leaves that template serving."""
     records = pytester.path / "records"
     records.mkdir()
     monkeypatch.setenv("RECORDS", str(records))
     _libraries(pytester, monkeypatch, a_library="VALUE = 1\n")
-    pytester.makeconftest(CONFIGURED_CONFTEST)
+    pytester.makeconftest(CONFIGURED_CONFTEST + PRIMED_CONFTEST)
     n = 6
     pytester.makepyfile(**{f"test_{i}": PRIMED_TEST.format(i=i) for i in range(n)})
     result = _run_fast(pytester, "--spawn-jobs", "2")
