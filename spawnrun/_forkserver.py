@@ -390,10 +390,14 @@ class ZygoteHolder:
         the template one configuration; a test of another kind starts its own, as before.
         ``wait``: the first test of its kind waits for it.
         """
-        if self.primed or self.zygote is None or self.off:
+        if not self.may_prime():
             return
+        assert self.zygote is not None
         self.primed = True
         self.zygote.prime(spec, env, wait)
+
+    def may_prime(self) -> bool:
+        return not (self.primed or self.zygote is None or self.off)
 
     def _check(self, config: Any) -> None:
         assert self.zygote is not None

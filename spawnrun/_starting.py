@@ -188,12 +188,19 @@ def prime(config: pytest.Config, path: str, env: Mapping[str, str], wait: bool) 
     that it forks from one sooner (``wait``: the first waits for it rather than
     configuring pytest in its own process). Once per run; nothing where children
     configure pytest themselves."""
-    holder = config.stash.get(ZYGOTE_KEY, None)
-    run = config.stash.get(SHARED_KEY, None)
-    if holder is None or holder.primed or run is None or not run.run_args:
+    if not may_prime(config):
         return
     spec = _spec(config, "template", [path], nodeid=path)
-    holder.prime(spec, {**run.environ, **env}, wait)
+    run = config.stash[SHARED_KEY]
+    config.stash[ZYGOTE_KEY].prime(spec, {**run.environ, **env}, wait)
+
+
+def may_prime(config: pytest.Config) -> bool:
+    """Whether ``prime`` would still ask for a template: fast mode, its zygote on, not
+    asked yet, and children that fork from configured templates."""
+    holder = config.stash.get(ZYGOTE_KEY, None)
+    run = config.stash.get(SHARED_KEY, None)
+    return holder is not None and holder.may_prime() and run is not None and bool(run.run_args)
 
 
 def assign(

@@ -361,8 +361,8 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     is started. A test that needs others dismisses it.
     """
     scheduler = config.stash.get(SCHEDULER_KEY, None)
-    holder = config.stash.get(_starting.ZYGOTE_KEY, None)
-    primes = holder is not None and not holder.primed
+    # Each collected file is read for a guess only while it may be of use.
+    primes = _starting.may_prime(config)
     if scheduler is None or not (scheduler.early.wants() or primes):
         return
     settings = config.stash[SETTINGS_KEY]
