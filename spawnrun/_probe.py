@@ -3,8 +3,8 @@ and the one thing every child arranges for itself (to die with its parent).
 
 Runs in the parent, in children (test children and ``spawnrun.call``'s) and in the
 zygote's template. Imports nothing from spawnrun and never imports torch or loads a
-driver: it only looks at what is already loaded (``sys.modules``, ``/proc/self/maps``,
-``/proc/self/task``).
+driver: it only looks at what is already loaded (``sys.modules``, the dynamic loader's
+libraries, ``/proc/self/task``).
 """
 
 from __future__ import annotations
@@ -122,21 +122,21 @@ def release_devices() -> None:
             _reset_primary_contexts(lib)
 
 
-def _mapped_cuda_paths() -> list[str]:
-    """The CUDA driver libraries already mapped into this process (none loaded here)."""
-    try:
-        with open("/proc/self/maps") as maps:
-            return sorted({line.split()[-1] for line in maps if "libcuda.so" in line})
-    except OSError:
-        return []
+#: The CUDA driver's soname (what every driver install names it, whatever its path).
+_CUDA_DRIVER = "libcuda.so.1"
 
 
 def _mapped_cuda() -> list[ctypes.CDLL]:
-    libs = []
-    for path in _mapped_cuda_paths():
-        with contextlib.suppress(OSError):
-            libs.append(ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY))
-    return libs
+    """The CUDA driver library if this process already loaded it (never loads it).
+
+    Asked of the dynamic loader by the driver's soname with ``RTLD_NOLOAD``, which
+    matches a library loaded under any path: ~0.05 ms, where reading
+    ``/proc/self/maps`` cost each child ~0.5 ms and ~100 page faults with torch loaded.
+    """
+    try:
+        return [ctypes.CDLL(_CUDA_DRIVER, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)]
+    except OSError:
+        return []
 
 
 def _primary_contexts(lib: ctypes.CDLL) -> Iterator[tuple[ctypes.c_int, bool | None]]:
@@ -193,14 +193,13 @@ def cuda_driver_initialized() -> bool:
     CUDA_ERROR_NOT_INITIALIZED until cuInit has run and has no side effect. The library
     is only looked up if it is already mapped (RTLD_NOLOAD): this never loads it.
     """
-    for path in _mapped_cuda_paths():
+    for lib in _mapped_cuda():
         try:
-            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
             count = ctypes.c_int(0)
             if lib.cuDeviceGetCount(ctypes.byref(count)) != _CUDA_ERROR_NOT_INITIALIZED:
                 return True
-        except (OSError, AttributeError):
-            return True  # mapped but cannot be asked: assume the worst
+        except AttributeError:
+            return True  # loaded but cannot be asked: assume the worst
     return False
 
 

@@ -30,6 +30,7 @@ from spawnrun import _devices
 from spawnrun import _early
 from spawnrun import _forkserver
 from spawnrun import _headstart
+from spawnrun import _heap
 from spawnrun import _inventory
 from spawnrun import _learned
 from spawnrun import _packing
@@ -519,6 +520,8 @@ def _runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool |
     if scheduler is None:
         return None
     if not _spawns(item):
+        if not _skipped_statically(item):
+            _heap.ran_here(config)
         scheduler.reached(nextitem)  # replay children that ended meanwhile
         return None
     if not config.stash.get(NO_PROC_KEY, False) and not _probe.proc_mounted():
@@ -623,6 +626,12 @@ def _summary_lines(config: pytest.Config) -> list[str]:
     if scheduler is not None and _xdist_worker():
         lines += scheduler.split_groups()
     return lines
+
+
+@pytest.hookimpl
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if SCHEDULER_KEY in config.stash:
+        _heap.freeze_if_spared(config)  # pytest's final collections follow
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1009,3 +1009,66 @@ def test_option_of_a_conftest_type_reaches_the_child_intact(pytester, mode):
     result.assert_outcomes(passed=1)
     pids = (pytester.path / "imports.txt").read_text().split()
     assert len(pids) == len(set(pids))  # once per child
+
+
+#: A conftest whose parent leaves cyclic garbage as its session ends, and says at the
+#: end whether the parent's objects were frozen for pytest's final collections.
+END_OF_SESSION_CONFTEST = """
+import gc
+import pytest
+import spawnrun
+
+class Cycle:
+    def __init__(self):
+        self.me = self
+    def __del__(self):
+        with open("finalized.txt", "w") as f:
+            f.write("finalized at the session's end")
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_unconfigure(config):
+    if not spawnrun.is_child():
+        Cycle()  # the parent's own garbage, made last: its finalizer must still run
+
+def pytest_configure(config):
+    if not spawnrun.is_child():
+        config.add_cleanup(lambda: print(f"parent frozen: {gc.get_freeze_count() > 0}"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("args", "frozen"),
+    [
+        pytest.param(["--spawn-gpu"], True, id="every-test-spawned"),
+        pytest.param([], False, id="one-test-in-process"),
+        pytest.param(["--no-spawn"], False, id="no-spawn"),
+    ],
+)
+def test_the_parent_spares_pytests_final_collections_only_where_no_test_ran_in_it(
+    pytester, args, frozen
+):
+    """pytest (8.4+) collects garbage five times as it ends, each pass walking every
+    object of the process (~0.3 s with torch imported). Where every test ran in a child,
+    the parent collects once and freezes the rest: its garbage is still finalized. Where
+    a test ran in the parent, nothing changes."""
+    pytester.makeconftest(END_OF_SESSION_CONFTEST)
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.gpu
+        def test_spawned():
+            pass
+
+        def test_unmarked():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+    result.assert_outcomes(passed=2)
+    # Before pytest 8.4 there are no such collections, and nothing to spare.
+    spared = frozen and pytest.version_tuple >= (8, 4)
+    result.stdout.fnmatch_lines([f"parent frozen: {spared}"])
+    finalized = pytester.path / "finalized.txt"
+    assert finalized.read_text() == "finalized at the session's end"
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
