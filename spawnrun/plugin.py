@@ -631,7 +631,9 @@ def _summary_lines(config: pytest.Config) -> list[str]:
 @pytest.hookimpl
 def pytest_unconfigure(config: pytest.Config) -> None:
     if SCHEDULER_KEY in config.stash:
-        _heap.freeze_if_spared(config)  # pytest's final collections follow
+        # pytest's final collections follow, then the interpreter's; an xdist worker's
+        # process ends with its session too.
+        _heap.freeze_if_spared(config, _xdist_worker())
 
 
 @pytest.hookimpl(optionalhook=True)

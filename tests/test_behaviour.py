@@ -1015,14 +1015,17 @@ def test_option_of_a_conftest_type_reaches_the_child_intact(pytester, mode):
 #: end whether the parent's objects were frozen for pytest's final collections.
 END_OF_SESSION_CONFTEST = """
 import gc
+import os
 import pytest
 import spawnrun
+
+FINALIZED = os.path.abspath("finalized.txt")
 
 class Cycle:
     def __init__(self):
         self.me = self
     def __del__(self):
-        with open("finalized.txt", "w") as f:
+        with open(FINALIZED, "w") as f:
             f.write("finalized at the session's end")
 
 @pytest.hookimpl(tryfirst=True)
@@ -1044,13 +1047,13 @@ def pytest_configure(config):
         pytest.param(["--no-spawn"], False, id="no-spawn"),
     ],
 )
-def test_the_parent_spares_pytests_final_collections_only_where_no_test_ran_in_it(
+def test_the_parent_freezes_its_objects_at_the_end_only_where_no_test_ran_in_it(
     pytester, args, frozen
 ):
-    """pytest (8.4+) collects garbage five times as it ends, each pass walking every
-    object of the process (~0.3 s with torch imported). Where every test ran in a child,
-    the parent collects once and freezes the rest: its garbage is still finalized. Where
-    a test ran in the parent, nothing changes."""
+    """A process that imported torch walks its ~250,000 objects at its end, more than
+    once (pytest's final collections, then the interpreter's). Where every test ran in
+    a child, the parent collects once and freezes the rest: its garbage is still
+    finalized. Where a test ran in the parent, nothing changes."""
     pytester.makeconftest(END_OF_SESSION_CONFTEST)
     pytester.makepyfile(
         """
@@ -1066,9 +1069,20 @@ def test_the_parent_spares_pytests_final_collections_only_where_no_test_ran_in_i
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
     result.assert_outcomes(passed=2)
-    # Before pytest 8.4 there are no such collections, and nothing to spare.
-    spared = frozen and pytest.version_tuple >= (8, 4)
-    result.stdout.fnmatch_lines([f"parent frozen: {spared}"])
+    result.stdout.fnmatch_lines([f"parent frozen: {frozen}"])
     finalized = pytester.path / "finalized.txt"
     assert finalized.read_text() == "finalized at the session's end"
     result.stdout.no_fnmatch_line(NO_INTERNAL)
+
+
+def test_a_session_that_the_process_outlives_leaves_its_objects_unfrozen(pytester):
+    """``pytest.main`` called in a process that goes on (here a test's, through pytester):
+    frozen objects are never collected, so the parent freezes nothing."""
+    import gc
+
+    pytester.makeconftest(END_OF_SESSION_CONFTEST)
+    pytester.makepyfile("import pytest\n@pytest.mark.gpu(count=0)\ndef test_x():\n    pass\n")
+    result = pytester.runpytest_inprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["parent frozen: False"])
+    assert gc.get_freeze_count() == 0
