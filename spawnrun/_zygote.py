@@ -268,6 +268,7 @@ class _Template:
             return
         if pid is None:
             template = os.getpid()
+            _child.prebuild(request.spec.plugin_args)  # what each such fork would make
             pid = os.fork()
             if pid == 0:
                 self.pool.close_in_child()

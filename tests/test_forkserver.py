@@ -917,3 +917,50 @@ def test_the_templates_imports_run_without_garbage_collection(pytester, monkeypa
         "--spawn-method", "forkserver", "--spawn-preload", "gclib", "-p", "no:cacheprovider"
     )
     result.assert_outcomes(passed=1)
+
+
+#: Each child records how pytest was configured in it.
+CONFIGURED_AS = """
+import json, os, pytest
+
+def test_{i}(request):
+    config = request.config
+    names = sorted(
+        name for name, _ in config.pluginmanager.list_name_plugin()
+        if name and not any(c.isdigit() for c in name)
+    )
+    seen = {{
+        "args": list(config.invocation_params.args),
+        "dir": str(config.invocation_params.dir),
+        "plugins": config.invocation_params.plugins,
+        "blocked": config.pluginmanager.is_blocked("doctest"),
+        "registered": names,
+        "verbose": config.option.verbose,
+    }}
+    with open(os.path.join({where!r}, "configured{i}.json"), "w") as f:
+        json.dump(seen, f)
+"""
+
+
+def test_a_fork_that_configures_pytest_configures_it_as_a_spawned_child_does(pytester):
+    """A fork of the library template configures pytest itself, from the part the
+    template made ahead (``_child.prebuild``): it must read as a spawned child's own
+    ``Config.fromdictargs``: its invocation arguments and directory, ``-p no:`` plugins
+    blocked, the same plugins registered."""
+    where = str(pytester.path)
+    for i in range(2):
+        pytester.makepyfile(**{f"test_c{i}": CONFIGURED_AS.format(i=i, where=where)})
+    runs = {}
+    for method in ("spawn", "forkserver"):
+        args = ["-p", "no:doctest", "-v", "--spawn-gpu", "--spawn-method", method]
+        if method == "forkserver":
+            args += ["--spawn-template", "library"]
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+        result.assert_outcomes(passed=2)
+        runs[method] = [
+            json.loads((pytester.path / f"configured{i}.json").read_text()) for i in range(2)
+        ]
+    assert runs["forkserver"] == runs["spawn"]
+    first = runs["spawn"][0]
+    assert first["blocked"] and first["verbose"] == 1
+    assert first["args"][-1].endswith("test_c0.py")
