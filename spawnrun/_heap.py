@@ -35,14 +35,13 @@ def ran_here(config: pytest.Config) -> None:
     config.stash[RAN_HERE_KEY] = True
 
 
-def freeze_if_spared(config: pytest.Config, xdist_worker: bool) -> bool:
+def freeze_if_spared(config: pytest.Config, xdist_worker: bool) -> None:
     """At unconfigure: collect once and freeze, where no test ran here and the process
-    ends with this session. Whether it did."""
+    ends with this session."""
     if config.stash.get(RAN_HERE_KEY, False) or not _process_ends_with_session(xdist_worker):
-        return False
+        return
     gc.collect()
     gc.freeze()
-    return True
 
 
 def _process_ends_with_session(xdist_worker: bool) -> bool:

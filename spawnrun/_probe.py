@@ -131,7 +131,7 @@ def _mapped_cuda() -> list[ctypes.CDLL]:
 
     Asked of the dynamic loader by the driver's soname with ``RTLD_NOLOAD``, which
     matches a library loaded under any path: ~0.05 ms, where reading
-    ``/proc/self/maps`` cost each child ~0.5 ms and ~100 page faults with torch loaded.
+    ``/proc/self/maps`` cost ~0.5 ms with torch loaded (three reads per child).
     """
     try:
         return [ctypes.CDLL(_CUDA_DRIVER, mode=os.RTLD_NOLOAD | os.RTLD_LAZY)]
