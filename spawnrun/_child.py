@@ -32,6 +32,7 @@ from spawnrun import _metadata
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
+from spawnrun import _streams
 from spawnrun import _template
 from spawnrun._leave import leave
 from spawnrun._relay import Relay
@@ -47,6 +48,7 @@ def main(
     spec: proto.ChildSpec, conn: Connection, forked: bool = False, parent: int | None = None
 ) -> NoReturn:
     _bytecode.start()  # forked: the template's environment was replaced by the test's
+    _streams.arm()  # a file's template here forks its tests with what they seeded
     # Measured from the start, before the suite's conftests and modules are imported.
     _coverage.start(spec.coverage, forked)
     # Before any of the suite's code: its budget caps torch when its CUDA comes up.

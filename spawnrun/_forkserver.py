@@ -59,11 +59,16 @@ NOT_IMPORTED = (
     "could not import ({error}); fast mode goes on without it"
 )
 TRIMMED = (
-    "spawnrun: the forkserver leaves {module} out of its template: importing it made the "
-    "template unsafe to fork ({reason}); children import it themselves"
+    "spawnrun: the forkserver leaves {module} out of its template: {reason}; children "
+    "import it themselves"
 )
 #: Where pytest's cache keeps what made a template unsafe, so the next run leaves it out
 #: from the start instead of building the template again without it.
+#: Why a package is left out that read, at import, a variable tests see otherwise.
+LEFT_OUT_READ = (
+    "it read the environment at import, and a test's differed (its devices, or a variable "
+    "set since)"
+)
 EXCLUDED_KEY = "spawnrun/template-excluded"
 REMEMBERED = " (an earlier run found this: `pytest --cache-clear` tries it again)"
 #: How many times a template is rebuilt without a package that made it unsafe.
@@ -149,8 +154,11 @@ class Zygote:
         unset = [k for k in self.environ if k not in os.environ]
         return proto.ForkRequest(spec, {**os.environ, **env}, unset, spec.log_path is None)
 
-    def fork(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> ForkedChild | str:
-        """A forked child, or why the template would not fork one.
+    def fork(
+        self, spec: proto.ChildSpec, env: Mapping[str, str]
+    ) -> ForkedChild | proto.Declined | str:
+        """A forked child, why the template would not fork this test (``Declined``: it
+        is spawned), or why it would not fork at all.
 
         The child gets the parent's environment as it is now (as a spawned child would),
         not the template's from the session's start, plus ``env``.
@@ -170,6 +178,8 @@ class Zygote:
         if isinstance(reply, proto.Forked):
             return ForkedChild(spec, parent_conn, reply.pid, self)
         parent_conn.close()
+        if isinstance(reply, proto.Declined):
+            return reply
         if isinstance(reply, proto.Refused):
             return reply.reason
         return f"unexpected answer from the template: {reply!r}"
@@ -232,6 +242,8 @@ class ForkedChild(_runner.ChildProcess):
     learns its exit code from the template.
     """
 
+    forked = True
+
     def __init__(self, spec: proto.ChildSpec, conn: Connection, pid: int, zygote: Zygote) -> None:
         self._proc = None
         self.zygote = zygote
@@ -290,6 +302,8 @@ class ZygoteHolder:
         self.early: Any = None
         #: Whether a template was asked to configure pytest ahead (``prime``).
         self.primed = False
+        #: Why the template declined to fork tests (``_environ``) -> their node ids.
+        self.declined: dict[str, list[str]] = {}
 
     def start(self, config: Any, early: Any = None) -> None:
         """Start the template now, so its imports overlap the parent's own collection;
@@ -379,10 +393,34 @@ class ZygoteHolder:
             if self.off:
                 return None
         child = self.zygote.fork(spec, env)
+        if isinstance(child, proto.Declined):
+            self._declined(config, spec.nodeid, child)
+            return None
         if isinstance(child, str):
             self._turn_off(config, child)
             return None
         return child
+
+    def declined_lines(self) -> list[str]:
+        """The summary's words for tests the template declined to fork."""
+        lines = []
+        for why, nodeids in self.declined.items():
+            shown = ", ".join(nodeids[:3]) + (" ..." if len(nodeids) > 3 else "")
+            count = f"{len(nodeids)} test{'s' if len(nodeids) != 1 else ''}"
+            lines.append(f"{count} spawned, not forked: {why}: {shown}")
+        return lines
+
+    def _declined(self, config: Any, nodeid: str, declined: proto.Declined) -> None:
+        """The test is spawned: the template's imports read its environment otherwise.
+        The package that read it is left out of the next run's template (its forks
+        import it themselves, in their own environment), unless it is one the template
+        cannot do without (pytest, a plugin)."""
+        self.declined.setdefault(declined.reason, []).append(nodeid)
+        package = declined.package
+        if package and package not in {_top(m) for m in self.base}:
+            if package not in self.excluded:
+                self.excluded.append(package)
+                self._remember(config, [package], LEFT_OUT_READ)
 
     def prime(self, spec: proto.ChildSpec, env: Mapping[str, str], wait: bool) -> None:
         """While the parent collects: the template configures pytest for tests like
@@ -421,7 +459,7 @@ class ZygoteHolder:
             new = [p for p in ready.suspects or [culprit] if p not in base_tops]
             self.excluded += new
             left_out = ", ".join(ready.suspects or [culprit])
-            text = TRIMMED.format(module=left_out, reason=ready.problem)
+            text = TRIMMED.format(module=left_out, reason=_unsafe(ready.problem))
             _reports.record_warning(config, _reports.warning(text), "")
             self._remember(config, new, ready.problem)
             self.zygote.close()
@@ -447,7 +485,8 @@ class ZygoteHolder:
                 self.excluded.append(top)
                 by_reason.setdefault(str(reason), []).append(top)
         for reason, tops in by_reason.items():
-            text = TRIMMED.format(module=", ".join(sorted(tops)), reason=reason) + REMEMBERED
+            text = TRIMMED.format(module=", ".join(sorted(tops)), reason=_unsafe(reason))
+            text += REMEMBERED
             _reports.record_warning(config, _reports.warning(text), "")
 
     def _remember(self, config: Any, tops: list[str], reason: str) -> None:
@@ -484,6 +523,13 @@ class ZygoteHolder:
     def close(self) -> None:
         if self.zygote is not None:
             self.zygote.close()
+
+
+def _unsafe(reason: str) -> str:
+    """Why a package is left out, as the warning words it."""
+    if reason == LEFT_OUT_READ:
+        return reason
+    return f"importing it made the template unsafe to fork ({reason})"
 
 
 def rewritten(config: Any, module: str) -> bool:

@@ -26,6 +26,7 @@ critical path.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import re
@@ -48,6 +49,7 @@ from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _starting
+from spawnrun import _unforked
 from spawnrun._reports import BUDGET_PROPERTY
 from spawnrun._reports import CPU_LOAD_PROPERTY
 from spawnrun._reports import LEARNED_PEAK
@@ -136,6 +138,8 @@ class Job:
         self.shared = False
         #: It ran beside a test on a learned budget (a guess: ``_units.Units._again``).
         self.beside_guess = False
+        #: Why its fork's outcome may not be a spawned child's (``Done.doubt``).
+        self.doubt = ""
         self.replay = _replay.Replay(item)
         self.candidates = _starting.candidate_args(item, self.then)
         self.problems: list[str] = []
@@ -201,6 +205,11 @@ class Job:
     # Starting --------------------------------------------------------------------
 
     @property
+    def forked(self) -> bool:
+        """Its test ran in a fork of a template (fast mode): a guess, like a budget."""
+        return bool(self.template_pid) or bool(getattr(self.child, "forked", False))
+
+    @property
     def guessed(self) -> bool:
         """It runs on a budget the run learned (a guess, not the user's promise)."""
         return self.plan.learned and self.plan.need is not _packing.ALONE and bool(self.claimed)
@@ -230,7 +239,10 @@ class Job:
                 if self.turned:  # measured from the parent's environment at its start
                     self._env_changes()
             else:
-                child = _starting.start(self.item, args, env, self.executions, then, template)
+                fresh = bool(self.plan.unforked)
+                child = _starting.start(
+                    self.item, args, env, self.executions, then, template, fresh
+                )
         except Exception as exc:  # noqa: BLE001 - the test's failure, never the run's end
             self.child = None
             self.start_error = f"{type(exc).__name__}: {exc}"
@@ -402,6 +414,14 @@ class Job:
             if self.candidates and not msg.failed:
                 self.retire_child()
                 self.start()
+            elif getattr(self.child, "forked", False) and not self.plan.unforked:
+                # Not found, or its boot failed, in a fork: a spawned child decides.
+                why = _unforked.NOT_FOUND_IN_FORK
+                _unforked.note(self.item.config, self.item.nodeid, why, "error")
+                self.plan = dataclasses.replace(self.plan, unforked=why)
+                self.reset_candidates()
+                self.retire_child()
+                self.start()
             elif msg.failed:  # not about the id: another collection would fail alike
                 replay.fail("setup", _reports.BOOT_FAILED + "\n\n" + msg.problem)
                 replay.ensure_teardown()
@@ -436,6 +456,7 @@ class Job:
             replay.terminal = msg.terminal
             self.peak_device_bytes = msg.peak_device_bytes
             self.cpu_load = msg.cpu_load
+            self.doubt = msg.doubt
             self.held_after = msg.held_bytes
             self._learn(msg.peak_per_device)
             if self.interrupted is None:

@@ -225,6 +225,9 @@ class Plan:
     #: The scope whose tests share one child ("module test_x.py", "group llm"; "": a
     #: child of its own), or the template their forks come from (``TEMPLATE_SCOPE``).
     scope: str = ""
+    #: Why it is spawned fresh, never forked ("": fast mode may fork it): its outcome
+    #: in a fork was in doubt, this run or an earlier one.
+    unforked: str = ""
 
     @property
     def forked(self) -> bool:

@@ -19,6 +19,7 @@ from spawnrun import _packing
 from spawnrun import _replay
 from spawnrun import _reports
 from spawnrun import _starting
+from spawnrun import _unforked
 from spawnrun._jobs import LISTENING
 from spawnrun._jobs import Job
 from spawnrun._jobs import State
@@ -116,8 +117,14 @@ class Performer(Units):
         goes on with its next test."""
         old = self.by_id.pop(nodeid, None)
         item, plan = self.items[nodeid]
-        guess = plan.budget_source if plan.learned else "a neighbour's learned budget"
-        why = f"ran again alone: it failed on a guessed budget ({guess})"
+        forked = old is not None and old.forked
+        if forked and not (old is not None and (old.guessed or old.beside_guess)):
+            why = "ran again alone, spawned: its fork's outcome was in doubt"
+        else:
+            guess = plan.budget_source if plan.learned else "a neighbour's learned budget"
+            why = f"ran again alone: it failed on a guessed budget ({guess})"
+            self.again.append(nodeid)
+        unforked = (old.doubt or _unforked.FAILED_IN_FORK) if forked and old else plan.unforked
         self.items[nodeid] = (
             item,
             replace(
@@ -127,9 +134,9 @@ class Performer(Units):
                 budget_source="",
                 learned=False,
                 scope=_packing.shared_scope(plan.scope),
+                unforked=unforked,
             ),
         )
-        self.again.append(nodeid)
         new = self._job_of(nodeid)
         if old is not None:
             old.turned = False
@@ -311,6 +318,7 @@ class Performer(Units):
             self.interrupting = job
             return
         job.replay.emit(job.parent_error)
+        _unforked.confirmed(job.item.config, nodeid, _unforked.outcome(job.replay.reports))
         session = job.item.session
         if not self.stop_told and (session.shouldfail or session.shouldstop):
             # Its report stopped the session (-x, --maxfail): the dispatcher stops after it.

@@ -173,6 +173,8 @@ def _template_key(item: pytest.Item, settings: _settings.Settings) -> str:
     if settings.method != "forkserver" or settings.template == "library":
         return ""
     plan = item.stash[PLAN_KEY]
+    if plan.unforked:
+        return ""  # spawned fresh: an earlier run's fork of it was in doubt
     if plan.count and plan.need is not _packing.ALONE:
         return ""
     # Tests alone on their devices apart from those with budgets (the dispatcher runs

@@ -233,6 +233,9 @@ class Done:
     #: time, its threads' and waited-for children's, over its wall time); None where it
     #: ran too briefly to tell.
     cpu_load: float | None = None
+    #: Why the test's outcome in this fork may not be a spawned child's ("": none
+    #: known): it wrote a variable the template's imports had read (``_environ``).
+    doubt: str = ""
 
 
 @dataclass(frozen=True)
@@ -400,6 +403,15 @@ class Refused:
     """The template will not fork (a device runtime or another thread runs in it): why."""
 
     reason: str
+
+
+@dataclass(frozen=True)
+class Declined:
+    """The template will not fork *this* test: what its imports read of the environment
+    differs from the test's (``_environ``); it is spawned. ``package``: who read it."""
+
+    reason: str
+    package: str = ""
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,13 @@ import pytest
 
 from spawnrun import _budget
 from spawnrun import _bytecode
+from spawnrun import _environ
 from spawnrun import _forksafe
 from spawnrun import _libraries
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
+from spawnrun import _streams
 from spawnrun import _template
 from spawnrun._leave import DUMP_SIGNAL
 
@@ -289,7 +291,13 @@ class Relay:
                 load = self._cpu_load()
                 self.send(
                     proto.Done(
-                        self.notes, terminal, peak, per_device, imported=imported, cpu_load=load
+                        self.notes,
+                        terminal,
+                        peak,
+                        per_device,
+                        imported=imported,
+                        cpu_load=load,
+                        doubt=_environ.doubt(),
                     )
                 )
                 if self.sink is not None:
@@ -397,6 +405,8 @@ class Relay:
         return True
 
     def _run(self, item: Any, nextitem: Any) -> None:
+        _streams.disarm()  # forks the test makes reseed as anywhere
+        _environ.watch_writes()  # a fork: what the template's imports read, rewritten?
         self.cpu_from = (_cpu_seconds(), time.monotonic())
         try:
             item.config.hook.pytest_runtest_protocol(item=item, nextitem=nextitem)
@@ -448,6 +458,7 @@ class Relay:
                 held_bytes=held,
                 imported=imported,
                 cpu_load=load,
+                doubt=_environ.doubt(),
             )
         )
         self.notes = []

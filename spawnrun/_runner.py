@@ -393,6 +393,9 @@ class ChildProcess:
     running) makes ready, or keeps from ever being ready, while the child lives.
     """
 
+    #: Forked from the zygote (``_forkserver.ForkedChild``), not spawned.
+    forked = False
+
     def __init__(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
         conn, child_conn = CTX.Pipe(duplex=True)
         proc = CTX.Process(

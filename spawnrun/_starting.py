@@ -232,7 +232,10 @@ def start(
     executions: int = 0,
     then: Sequence[str] = (),
     template: bool = False,
+    fresh: bool = False,
 ) -> _runner.ChildProcess:
+    """The test's child: forked from the zygote in fast mode, else (or ``fresh``: a
+    fork's outcome is in doubt) spawned."""
     config = item.config
     run = config.stash[SHARED_KEY]
     spec = _spec(
@@ -247,11 +250,11 @@ def start(
     )
     env = {**run.environ, **env}
     holder = config.stash.get(ZYGOTE_KEY, None)
-    if holder is not None:
+    if holder is not None and not fresh:
         forked = holder.fork(config, spec, env)
         if forked is not None:
             return forked
-    if spec.fork_each:
+    if spec.fork_each and (fresh or holder is None or holder.off):
         # The forkserver is off: every test spawns, this one alone in its child.
         spec = dataclasses.replace(spec, fork_each=False, then=[])
     return _runner.ChildProcess(spec, env=env)

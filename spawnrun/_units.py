@@ -23,6 +23,7 @@ from spawnrun import _inventory
 from spawnrun import _learned
 from spawnrun import _packing
 from spawnrun import _runner
+from spawnrun import _unforked
 from spawnrun._ending import EXIT_KILL
 from spawnrun._ending import Ending
 from spawnrun._ending import Stage
@@ -265,12 +266,22 @@ class Units(Loop):
         are learned (a neighbour's guess may have been too small). It then runs again,
         alone, once: a test that passes in-process never fails on a guess. Not a
         scope's test (its child runs others; a template's test ran in a fork of its own),
-        nor one that stopped the session."""
-        if not self.guessing or _packing.shared_scope(job.plan.scope):
+        nor one that stopped the session.
+
+        A fork (fast mode) is a guess too: a forked test that failed, or whose fork saw
+        it rewrite what the template's imports had read (``Done.doubt``), runs again in
+        a fresh spawned child (``_unforked``)."""
+        if _packing.shared_scope(job.plan.scope):
             return False
         if job.interrupted is not None or job.replaced:
             return False
-        if not any(r.failed for r in job.replay.reports):
+        failed = any(r.failed for r in job.replay.reports)
+        if job.forked and (failed or job.doubt):
+            why = job.doubt or _unforked.FAILED_IN_FORK
+            outcome = _unforked.outcome(job.replay.reports)
+            _unforked.note(job.item.config, job.item.nodeid, why, outcome)
+            return True
+        if not self.guessing or not failed:
             return False
         return job.guessed or job.beside_guess
 

@@ -39,15 +39,18 @@ from _pytest.assertion.rewrite import AssertionRewritingHook
 
 from spawnrun import _child
 from spawnrun import _configured
+from spawnrun import _environ
 from spawnrun import _leave
 from spawnrun import _metadata
 from spawnrun import _probe
 from spawnrun import _protocol as proto
+from spawnrun import _streams
 from spawnrun._forksafe import unsafe_state
 
 
 def main(spec: proto.ZygoteSpec, conn: Connection) -> NoReturn:
     _child.ACTIVE = True
+    _streams.arm()  # its forks, and the configured templates', keep what code seeded
     _probe.die_with_parent()  # and its children with it, through theirs
     os.setsid()
     fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -143,35 +146,16 @@ class _Template:
 
         The first package after whose import forking became unsafe is named as the
         culprit (the parent may then build a template without it); nothing after it
-        is imported.
+        is imported. What the imports read of the environment is noted
+        (``_environ``): each fork is checked against it.
         """
-        failed = []
-        culprit = ""
+        failed: list[str] = []
         groups: dict[str, list[str]] = {}
         for name in modules:
             groups.setdefault(name.partition(".")[0], []).append(name)
-        suspects: list[str] = []
-        imported = False
         with _rewriting(self.rewriter), _openmp_waits_passively(), _collector_paused():
-            for top, names in groups.items():
-                if self.refusal:
-                    break
-                names = [name for name in names if name not in sys.modules]
-                if not names:
-                    continue  # imported already: nothing to check again
-                imported = True
-                before = {m.partition(".")[0] for m in sys.modules}
-                for name in names:
-                    try:
-                        importlib.import_module(name)
-                    except BaseException as exc:  # noqa: BLE001 - the children import it
-                        failed.append(f"{name}: {exc!r}")
-                self.refusal = unsafe_state()
-                if self.refusal:
-                    # The package, and every package its import brought in, are suspects.
-                    culprit = top
-                    now = {m.partition(".")[0] for m in sys.modules}
-                    suspects = sorted({top} | (now - before))
+            with _environ.observing():
+                imported, culprit, suspects = self._import(groups, failed)
             _metadata.snapshot()  # each fork's pytest reads the installed packages from it
             # The garbage the imports left (cycles holding files, say) is collected once,
             # here, not at every threshold along the way (``_collector_paused``). What is
@@ -183,6 +167,32 @@ class _Template:
                 gc.collect()
                 gc.freeze()
         self.conn.send(proto.ZygoteReady(os.getpid(), self.refusal, culprit, failed, suspects))
+
+    def _import(
+        self, groups: dict[str, list[str]], failed: list[str]
+    ) -> tuple[bool, str, list[str]]:
+        """Import each package's modules; (whether any was imported, the culprit, the
+        suspects: the packages imported with the one that made forking unsafe)."""
+        imported = False
+        for top, names in groups.items():
+            if self.refusal:
+                break
+            names = [name for name in names if name not in sys.modules]
+            if not names:
+                continue  # imported already: nothing to check again
+            imported = True
+            before = {m.partition(".")[0] for m in sys.modules}
+            for name in names:
+                try:
+                    importlib.import_module(name)
+                except BaseException as exc:  # noqa: BLE001 - the children import it
+                    failed.append(f"{name}: {exc!r}")
+            self.refusal = unsafe_state()
+            if self.refusal:
+                # The package, and every package its import brought in, are suspects.
+                now = {m.partition(".")[0] for m in sys.modules}
+                return imported, top, sorted({top} | (now - before))
+        return imported, "", []
 
     def update(self, path: list[str] | None, rewrite: proto.Rewrite | None) -> str:
         """Take the parent's ``sys.path`` and rewriting as they are now; say what is
@@ -255,6 +265,13 @@ class _Template:
 
     def _fork(self, request: proto.ForkRequest, fd: int, streams: list[int]) -> None:
         handles = [fd, *streams]
+        final = _environ.final_environment(request.env, request.unset)
+        package, why = _environ.conflict(final)
+        if why:  # its view of what was imported here would not be a spawned child's
+            for handle in handles:
+                os.close(handle)
+            self.conn.send(proto.Declined(why, package))
+            return
         pid = None
         if not self.refusal:
             pid = self.pool.fork(request, handles, lambda r: self._configure(r, handles))
@@ -343,6 +360,7 @@ def _openmp_waits_passively() -> Iterator[None]:
         yield
         return
     os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    _environ.OWN.add("OMP_WAIT_POLICY")  # ours, gone before any test: not the user's
     try:
         yield
     finally:

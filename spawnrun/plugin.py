@@ -40,6 +40,7 @@ from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _settings
 from spawnrun import _starting
+from spawnrun import _unforked
 from spawnrun._plan import CAPACITY_KEY
 from spawnrun._plan import INVENTORY_KEY
 from spawnrun._plan import ITEM_KEY
@@ -431,11 +432,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ids = inventory.ids
     capacity = config.stash[CAPACITY_KEY]
     learned = _learned.peaks(config) if settings.pack == "auto" else {}
+    # Tests whose fork an earlier run doubted: spawned fresh, never forked.
+    unforked = _unforked.remembered(config) if settings.method == "forkserver" else {}
     for item in items:
         overrides = _settings.marker_overrides(item, settings)
         item.stash[ITEM_KEY] = overrides
         spawns = _should_spawn(item, settings)
         plan = _plan(item, settings, overrides, ids, capacity, learned)
+        if item.nodeid in unforked:
+            why = _unforked.REMEMBERED.format(why=unforked[item.nodeid])
+            plan = replace(plan, unforked=why)
         item.stash[PLAN_KEY] = plan
         reason = ""
         if spawns or plan.count:
@@ -604,6 +610,7 @@ def _store_learned(config: pytest.Config) -> None:
     loads = config.stash.get(LOADS_KEY, {})
     _learned.store(config, _learned.CACHE_LOADS, loads, collected)
     _learned.store_preloads(config)
+    _unforked.save(config)
     holder = config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         _headstart.remember(config, holder)
@@ -623,6 +630,10 @@ def _summary_lines(config: pytest.Config) -> list[str]:
     if auto and _settings.source_of(config, "pack") == "the default":
         auto = bool(_learned.peaks(config))
     lines = scheduler.summary(list_alone=auto) if scheduler is not None else []
+    holder = config.stash.get(_starting.ZYGOTE_KEY, None)
+    if holder is not None:
+        lines += holder.declined_lines()
+    lines += _unforked.lines(config)
     if scheduler is not None and _xdist_worker():
         lines += scheduler.split_groups()
     return lines

@@ -1,0 +1,161 @@
+"""What the template's imports read of the environment, and whether a fork may rely on it.
+
+Runs in the zygote (``observing`` while it imports) and in the processes forked from it
+(``watch_writes``, ``doubt``); imports only the standard library. A module imported in
+the template read the template's environment at import: a package that keeps
+``os.environ.get("CUDA_VISIBLE_DEVICES")`` in a global, a library that reads a variable a
+conftest or a fixture sets. A fork of the template has its test's environment, but the
+module's global stays what the template saw; a spawned child imports the module itself
+and sees its own. So the template notes every variable read while it imports (its
+value then, and the package that read it), and:
+
+* before a fork, compares them with the test's final environment (``conflict``): where
+  one differs (the test's device mask, a variable the parent's conftest set), the test
+  is not forked (the zygote declines it, the parent spawns it and says why, and the
+  package is left out of the next run's template);
+* in the fork, notices a write of one of them to another value (``watch_writes``: a
+  fixture's ``monkeypatch.setenv`` before the test imports the library): the test's
+  outcome is then doubtful (``doubt``), and it runs again in a fresh spawned child.
+
+Reads are seen through ``os.environ`` (``[]``, ``get``, ``in``, ``os.getenv``, listing
+it); a C extension's ``getenv`` at load is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Any
+
+#: Variable -> (its value when first read while the template imported, or None where
+#: unset; the top-level package that read it).
+READS: dict[str, tuple[str | None, str]] = {}
+#: Packages that listed the environment while imported -> the names it held then.
+LISTED: dict[str, frozenset[str]] = {}
+#: Set by spawnrun itself while the template imports (not the user's): not a read.
+OWN: set[str] = set()
+
+_Environ = type(os.environ)
+_original_getitem = _Environ.__getitem__
+_original_iter = _Environ.__iter__
+_original_setitem = _Environ.__setitem__
+_original_delitem = _Environ.__delitem__
+#: Modules whose frames read for someone else (``Mapping.get`` lives in
+#: ``_collections_abc``, which calls itself ``collections.abc``).
+_SKIPPED = ("os", "posixpath", "genericpath", "_collections_abc", "collections.abc", __name__)
+_doubt = ""
+
+
+def _reader() -> str:
+    """The top-level package of the code reading the environment ("" if none found)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if name and name not in _SKIPPED and not name.startswith(("importlib", "<frozen")):
+            return str(name).partition(".")[0]
+        frame = frame.f_back  # type: ignore[assignment]
+    return ""
+
+
+def _observed_getitem(self: Any, key: str) -> str:
+    try:
+        value = _original_getitem(self, key)
+    except KeyError:
+        if self is os.environ and isinstance(key, str) and key not in READS and key not in OWN:
+            READS[key] = (None, _reader())
+        raise
+    if self is os.environ and isinstance(key, str) and key not in READS and key not in OWN:
+        READS[key] = (value, _reader())
+    return value
+
+
+def _observed_iter(self: Any) -> Iterator[str]:
+    if self is os.environ:
+        reader = _reader()
+        LISTED.setdefault(reader, frozenset(_original_iter(self)) - OWN)
+    return _original_iter(self)
+
+
+@contextlib.contextmanager
+def observing() -> Iterator[None]:
+    """While the template imports: every read of ``os.environ`` is noted (``READS``)."""
+    _Environ.__getitem__ = _observed_getitem  # type: ignore[method-assign]
+    _Environ.__iter__ = _observed_iter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _Environ.__getitem__ = _original_getitem  # type: ignore[method-assign]
+        _Environ.__iter__ = _original_iter  # type: ignore[method-assign]
+
+
+def final_environment(env: Mapping[str, str], unset: Sequence[str]) -> dict[str, str]:
+    """The environment a fork will have: this process's, less ``unset``, plus ``env``."""
+    final = {k: v for k, v in os.environ.items() if k not in unset}
+    final.update(env)
+    return final
+
+
+def conflict(final: Mapping[str, str]) -> tuple[str, str]:
+    """The first thing the template's imports read that ``final`` gives otherwise:
+    (package, why); ("", "") where a fork sees what a spawned child would."""
+    for name, (seen, reader) in READS.items():
+        now = final.get(name)
+        if now != seen:
+            return reader, (
+                f"{reader or 'a module'} read {name} at import in the template "
+                f"({_shown(seen)}), and this test's is {_shown(now)}"
+            )
+    names = frozenset(final) - OWN
+    for reader, listed in LISTED.items():
+        if listed != names:
+            differ = sorted(listed ^ names)[:3]
+            return reader, (
+                f"{reader or 'a module'} listed the environment at import in the template, "
+                f"and this test's differs ({', '.join(differ)})"
+            )
+    return "", ""
+
+
+def _shown(value: str | None) -> str:
+    return "unset" if value is None else repr(value)
+
+
+def watch_writes() -> None:
+    """In a forked test's process: a write, to another value, of a variable the
+    template's imports read makes the test's outcome doubtful (``doubt``)."""
+    if not READS or _Environ.__setitem__ is not _original_setitem:
+        return  # nothing read in a template (a spawned child), or watched already
+
+    def setitem(self: Any, key: str, value: str) -> None:
+        _original_setitem(self, key, value)
+        if self is os.environ:
+            _wrote(key, value)
+
+    def delitem(self: Any, key: str) -> None:
+        _original_delitem(self, key)
+        if self is os.environ:
+            _wrote(key, None)
+
+    _Environ.__setitem__ = setitem  # type: ignore[method-assign]
+    _Environ.__delitem__ = delitem  # type: ignore[method-assign]
+
+
+def _wrote(key: str, value: str | None) -> None:
+    global _doubt
+    read = READS.get(key)
+    if _doubt or read is None or read[0] == value:
+        return
+    seen, reader = read
+    _doubt = (
+        f"{key} was set to {_shown(value)} in its process, and {reader or 'a module'} "
+        f"had read it at import in the template ({_shown(seen)})"
+    )
+
+
+def doubt() -> str:
+    """Why this fork's outcome may not be a spawned child's ("": no reason known)."""
+    return _doubt
