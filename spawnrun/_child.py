@@ -28,6 +28,7 @@ from spawnrun import _availability
 from spawnrun import _budget
 from spawnrun import _bytecode
 from spawnrun import _coverage
+from spawnrun import _environ
 from spawnrun import _metadata
 from spawnrun import _probe
 from spawnrun import _protocol as proto
@@ -58,6 +59,7 @@ def main(
     relay.undo = [
         _availability.while_collecting(spec.cuda_available),
         _metadata.while_configuring(),
+        _environ.observing_boot(),  # whether its boot read its device mask
     ]
     try:
         config = _configure(spec, spec.args, relay)
@@ -174,6 +176,7 @@ def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
     relay.undo = [
         _availability.while_collecting(spec.cuda_available),
         _metadata.while_configuring(),
+        _environ.observing_boot(),  # whether its boot read its device mask
     ]
     config = _configure(spec, spec.run_args, relay)
     config.pluginmanager.register(serving, "spawnrun-configured")

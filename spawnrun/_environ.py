@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Callable
 from collections.abc import Iterator
 from collections.abc import Mapping
 from collections.abc import Sequence
@@ -38,6 +39,18 @@ READS: dict[str, tuple[str | None, str]] = {}
 LISTED: dict[str, frozenset[str]] = {}
 #: Set by spawnrun itself while the template imports (not the user's): not a read.
 OWN: set[str] = set()
+#: Every variable read while this process booted (``observing_boot``).
+BOOT: set[str] = set()
+#: The variables that restrict which devices a process sees (``_vendors``' own).
+MASKS = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "HIP_VISIBLE_DEVICES",
+        "ROCR_VISIBLE_DEVICES",
+        "ZE_AFFINITY_MASK",
+        "ASCEND_RT_VISIBLE_DEVICES",
+    }
+)
 
 _Environ = type(os.environ)
 _original_getitem = _Environ.__getitem__
@@ -62,6 +75,10 @@ def _reader() -> str:
 
 
 def _observed_getitem(self: Any, key: str) -> str:
+    if _booting:  # a test's boot, not the template's imports: only the names
+        if self is os.environ:
+            BOOT.add(key)
+        return _original_getitem(self, key)
     try:
         value = _original_getitem(self, key)
     except KeyError:
@@ -74,7 +91,9 @@ def _observed_getitem(self: Any, key: str) -> str:
 
 
 def _observed_iter(self: Any) -> Iterator[str]:
-    if self is os.environ:
+    if self is os.environ and _booting:
+        BOOT.update(MASKS)  # it saw them, whichever were set
+    if self is os.environ and not _booting:
         reader = _reader()
         LISTED.setdefault(reader, frozenset(_original_iter(self)) - OWN)
     return _original_iter(self)
@@ -90,6 +109,34 @@ def observing() -> Iterator[None]:
     finally:
         _Environ.__getitem__ = _original_getitem  # type: ignore[method-assign]
         _Environ.__iter__ = _original_iter  # type: ignore[method-assign]
+
+
+_booting = False
+
+
+def observing_boot() -> Callable[[], None]:
+    """While a test's child boots (configures pytest, collects): note each variable
+    read (``BOOT``); the returned function ends it. A boot that read its device mask
+    depends on the devices it saw (``read_mask``)."""
+    global _booting
+    if _Environ.__getitem__ is not _original_getitem:
+        return lambda: None  # a template's imports are observed already
+    _booting = True
+    _Environ.__getitem__ = _observed_getitem  # type: ignore[method-assign]
+    _Environ.__iter__ = _observed_iter  # type: ignore[method-assign]
+
+    def stop() -> None:
+        global _booting
+        _booting = False
+        _Environ.__getitem__ = _original_getitem  # type: ignore[method-assign]
+        _Environ.__iter__ = _original_iter  # type: ignore[method-assign]
+
+    return stop
+
+
+def read_mask() -> bool:
+    """Whether this process's boot read the variables that say which devices it sees."""
+    return bool(BOOT & MASKS)
 
 
 def final_environment(env: Mapping[str, str], unset: Sequence[str]) -> dict[str, str]:

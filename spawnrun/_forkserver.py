@@ -415,7 +415,9 @@ class ZygoteHolder:
         The package that read it is left out of the next run's template (its forks
         import it themselves, in their own environment), unless it is one the template
         cannot do without (pytest, a plugin)."""
-        self.declined.setdefault(declined.reason, []).append(nodeid)
+        tests = self.declined.setdefault(declined.reason, [])
+        if nodeid not in tests:  # asked again for its fallback collection
+            tests.append(nodeid)
         package = declined.package
         if package and package not in {_top(m) for m in self.base}:
             if package not in self.excluded:

@@ -140,6 +140,8 @@ class Job:
         self.beside_guess = False
         #: Why its fork's outcome may not be a spawned child's (``Done.doubt``).
         self.doubt = ""
+        #: Its child (the last started) was forked from the zygote.
+        self.zygote_forked = False
         self.replay = _replay.Replay(item)
         self.candidates = _starting.candidate_args(item, self.then)
         self.problems: list[str] = []
@@ -207,7 +209,7 @@ class Job:
     @property
     def forked(self) -> bool:
         """Its test ran in a fork of a template (fast mode): a guess, like a budget."""
-        return bool(self.template_pid) or bool(getattr(self.child, "forked", False))
+        return bool(self.template_pid) or self.zygote_forked
 
     @property
     def guessed(self) -> bool:
@@ -256,6 +258,7 @@ class Job:
         if template and not child.spec.fork_each:
             self.refusals.setdefault(self.plan.scope, "")  # told by the forkserver's warning
         self.template_pid = child.pid if child.spec.fork_each else 0
+        self.zygote_forked = bool(getattr(child, "forked", False))
         self.child = child
         self.children_started += 1
         self.pids.add(self.child.pid)
@@ -414,7 +417,7 @@ class Job:
             if self.candidates and not msg.failed:
                 self.retire_child()
                 self.start()
-            elif getattr(self.child, "forked", False) and not self.plan.unforked:
+            elif self.zygote_forked and not self.plan.unforked:
                 # Not found, or its boot failed, in a fork: a spawned child decides.
                 why = _unforked.NOT_FOUND_IN_FORK
                 _unforked.note(self.item.config, self.item.nodeid, why, "error")

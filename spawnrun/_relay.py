@@ -340,6 +340,10 @@ class Relay:
             return
         unsafe = _zygote_refusal() if self.spec.fork_each else ""
         touched = _forksafe.boot_touch()
+        if not touched and _environ.read_mask():
+            # Its imports kept the device mask it saw: it must run on those devices,
+            # as a boot that initialized the driver does.
+            touched = "driver"
         self.boot_modules = _libraries.mark()
         self.send(
             proto.Booted(os.getpid(), True, not_a_template=unsafe, waited=waited, touched=touched)
