@@ -96,3 +96,102 @@ def _differences(
         if differ:
             out[nodeid] = differ
     return out
+
+
+FAST = ("--spawn-method", "forkserver", "-p", "no:randomly")
+
+
+@pytest.mark.parametrize("scope", ["test", "module"])
+def test_ids_drawn_from_a_stream_seeded_at_configure_are_found_in_forks(
+    pytester: pytest.Pytester, scope: str
+) -> None:
+    """Each fork sees ``random`` as seeded at configure and drawn by collection, as a
+    spawned child does (CPython reseeds it in every fork)."""
+    pytester.makeconftest("import random\ndef pytest_configure(config):\n    random.seed(1234)\n")
+    test = (
+        "import random, pytest\n"
+        "VALUES = [random.randint(0, 10**6) for _ in range(3)]\n"
+        "@pytest.mark.gpu(count=0)\n"
+        "@pytest.mark.parametrize('v', VALUES)\n"
+        "def test_x(v):\n"
+        "    assert v >= 0\n"
+    )
+    pytester.makepyfile(test_f1=test, test_f2=test, test_f3=test)
+    for _ in range(2):
+        result = pytester.runpytest_subprocess(*FAST, "--spawn-scope", scope)
+        result.assert_outcomes(passed=9)
+        result.stdout.no_fnmatch_line("*could not find*")
+        result.stdout.no_fnmatch_line("*INTERNALERROR*")
+
+
+def test_a_package_that_reads_the_device_mask_at_import_sees_the_tests_own(
+    pytester: pytest.Pytester,
+) -> None:
+    """The project's package, preloaded by the template, read no mask there: its tests
+    are spawned, and the next run's template leaves it out (its forks import it)."""
+    pytester.makeini("[pytest]\npythonpath = .\n")
+    pytester.mkpydir("proj").joinpath("__init__.py").write_text(
+        "import os\nMASK = os.environ.get('CUDA_VISIBLE_DEVICES')\n"
+    )
+    pytester.mkdir("tests").joinpath("test_mask.py").write_text(
+        "import os, pytest\nimport proj\n"
+        "@pytest.mark.gpu\n@pytest.mark.parametrize('i', range(4))\n"
+        "def test_mask(i):\n    assert proj.MASK == os.environ['CUDA_VISIBLE_DEVICES']\n"
+    )
+    first = pytester.runpytest_subprocess(*FAST, "--spawn-gpus", "2")
+    first.assert_outcomes(passed=4)
+    first.stdout.fnmatch_lines(["*spawned, not forked: proj read CUDA_VISIBLE_DEVICES at import*"])
+    second = pytester.runpytest_subprocess(*FAST, "--spawn-gpus", "2")
+    second.assert_outcomes(passed=4, warnings=1)
+    second.stdout.fnmatch_lines(["*forkserver leaves proj out of its template*"])
+    second.stdout.no_fnmatch_line("*spawned, not forked*")
+
+
+def test_a_learned_preload_that_reads_what_a_fixture_sets_runs_again_spawned(
+    pytester: pytest.Pytester,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A library a test imports after its fixture set a variable is preloaded from the
+    second run on, without the variable: the fork's outcome is in doubt, the test runs
+    again spawned (that outcome counts) and is not forked on the next run."""
+    site = tmp_path_factory.mktemp("site")
+    (site / "readsflag").mkdir()
+    (site / "readsflag" / "__init__.py").write_text(
+        "import os\nFLAG = os.environ.get('READS_FLAG')\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    pytester.makepyfile(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def flag(monkeypatch):\n    monkeypatch.setenv('READS_FLAG', 'on')\n"
+        "@pytest.mark.gpu(count=0)\n"
+        "def test_flag(flag):\n"
+        "    import readsflag\n    assert readsflag.FLAG == 'on'\n"
+    )
+    pytester.runpytest_subprocess(*FAST).assert_outcomes(passed=1)
+    second = pytester.runpytest_subprocess(*FAST)
+    second.assert_outcomes(passed=1)
+    second.stdout.fnmatch_lines(
+        [
+            "*1 test ran again in a fresh spawned child after a fork*",
+            "*test_flag: READS_FLAG was set to 'on' in its process*(failed forked, passed spawned)",
+        ]
+    )
+    third = pytester.runpytest_subprocess(*FAST)
+    third.assert_outcomes(passed=1)
+    third.stdout.no_fnmatch_line("*ran again*")
+
+
+def test_a_forked_test_that_fails_is_confirmed_in_a_spawned_child(
+    pytester: pytest.Pytester,
+) -> None:
+    """Its failure counts once, from the spawned run; the summary says so."""
+    pytester.makepyfile(
+        "import pytest\n@pytest.mark.gpu(count=0)\ndef test_fails():\n    assert 0\n"
+    )
+    result = pytester.runpytest_subprocess(*FAST)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*test_fails: it failed in a fork of a template (failed forked, failed spawned)"]
+    )
