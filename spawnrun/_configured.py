@@ -40,6 +40,7 @@ from typing import NoReturn
 import pytest
 
 from spawnrun import _child
+from spawnrun import _environ
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun._budget import PER_TEST_ENV
@@ -250,6 +251,16 @@ class Pool:
             os.close(template.pidfd)
 
 
+def _reads_per_test() -> str:
+    """Why the configuration's code may not be shared by tests ("": it may): it read a
+    variable that each test has its own value of (its budget), which a spawned child's
+    conftests would see as the test's."""
+    read = sorted(_environ.BOOT & _PER_TEST)
+    if not read:
+        return ""
+    return f"the conftests read {', '.join(read)} while pytest was configured"
+
+
 def main(request: proto.ForkRequest, conn: Connection, zygote: int) -> NoReturn:
     """The configured template (forked from the zygote). Never returns: it leaves when
     retired or when the zygote is gone; its forks leave at the end of their session."""
@@ -298,7 +309,7 @@ class _Serving:
         return (yield)
 
     def _serve(self) -> tuple[proto.ForkRequest, int, list[int]]:
-        refusal = unsafe_state()
+        refusal = unsafe_state() or _reads_per_test()
         # What the configuration made lives as long as the template: the collector
         # neither scans it in each fork nor copies its pages by touching them.
         gc.freeze()

@@ -99,7 +99,7 @@ class Performer(Units):
             elif isinstance(action, ev.Report):
                 self._report(action)
             elif isinstance(action, ev.Again):
-                self._again_alone(action.test)
+                self._again_alone(action.test, action.alone)
             elif isinstance(action, ev.Drop):
                 self._drop_test(action.test)
             elif isinstance(action, ev.Warn):
@@ -107,36 +107,29 @@ class Performer(Units):
             elif isinstance(action, ev.Interrupt):
                 self._interrupt()
 
-    def _again_alone(self, nodeid: str) -> None:
-        """The test runs again, alone: a fresh job, whose reports are the ones replayed.
+    def _again_alone(self, nodeid: str, alone: bool = True) -> None:
+        """The test runs again: a fresh job, whose reports are the ones replayed.
 
-        The first run's job still ends its child (its reports are never replayed, and it
-        is not counted as a test); its turn (what the parent's environment and teardown
-        were when pytest reached the test) carries over. A template's test runs again in
-        a child of its own (the template's forks run with its budget), and the template
-        goes on with its next test."""
+        ``alone``: it failed on a learned budget (its own or a neighbour's), and runs
+        with none; else its fork's outcome was in doubt, and it runs spawned, not forked,
+        with its own need. The first run's job still ends its child (its reports are
+        never replayed, and it is not counted as a test); its turn (what the parent's
+        environment and teardown were when pytest reached the test) carries over. A
+        template's test runs again in a child of its own, and the template goes on with
+        its next test."""
         old = self.by_id.pop(nodeid, None)
         item, plan = self.items[nodeid]
         forked = old is not None and old.forked
-        if forked and not (old is not None and (old.guessed or old.beside_guess)):
-            why = "ran again alone, spawned: its fork's outcome was in doubt"
-        else:
+        unforked = (old.doubt or _unforked.FAILED_IN_FORK) if old and forked else plan.unforked
+        scope = _packing.shared_scope(plan.scope)
+        if alone:
             guess = plan.budget_source if plan.learned else "a neighbour's learned budget"
             why = f"ran again alone: it failed on a guessed budget ({guess})"
             self.again.append(nodeid)
-        unforked = (old.doubt or _unforked.FAILED_IN_FORK) if forked and old else plan.unforked
-        self.items[nodeid] = (
-            item,
-            replace(
-                plan,
-                need=_packing.ALONE,
-                alone_because=why,
-                budget_source="",
-                learned=False,
-                scope=_packing.shared_scope(plan.scope),
-                unforked=unforked,
-            ),
-        )
+            plan = replace(
+                plan, need=_packing.ALONE, alone_because=why, budget_source="", learned=False
+            )
+        self.items[nodeid] = (item, replace(plan, scope=scope, unforked=unforked))
         new = self._job_of(nodeid)
         if old is not None:
             old.turned = False

@@ -233,8 +233,10 @@ class Units(Loop):
                     interrupt = job.interrupted is not None
                     poisoned = bool(job.replaced)
                     again = self._again(job)
+                    alone = again and self._budget_guess(job)
                     nodeid = job.item.nodeid
-                    out.append(ev.Done(now, cid, nodeid, interrupt, poisoned, more, again))
+                    done = ev.Done(now, cid, nodeid, interrupt, poisoned, more, again, alone)
+                    out.append(done)
                 else:
                     unit.exited = True
                     out.append(ev.Exited(now, cid, -1))
@@ -270,7 +272,7 @@ class Units(Loop):
 
         A fork (fast mode) is a guess too: a forked test that failed, or whose fork saw
         it rewrite what the template's imports had read (``Done.doubt``), runs again in
-        a fresh spawned child (``_unforked``)."""
+        a fresh spawned child with its own need (``_unforked``)."""
         if _packing.shared_scope(job.plan.scope):
             return False
         if job.interrupted is not None or job.replaced:
@@ -281,9 +283,13 @@ class Units(Loop):
             outcome = _unforked.outcome(job.replay.reports)
             _unforked.note(job.item.config, job.item.nodeid, why, outcome)
             return True
-        if not self.guessing or not failed:
-            return False
-        return job.guessed or job.beside_guess
+        return failed and self._budget_guess(job)
+
+    def _budget_guess(self, job: Job) -> bool:
+        """Whether it failed where a learned budget may be to blame (it runs again
+        alone, with none)."""
+        failed = any(r.failed for r in job.replay.reports)
+        return self.guessing and failed and (job.guessed or job.beside_guess)
 
     def _start_error(self, job: Job) -> str:
         for report in job.replay.reports:

@@ -661,28 +661,30 @@ def test_each_fork_of_a_template_runs_with_its_own_learned_budget(pytester):
 BUDGET_CONFTEST = """
 import os
 import spawnrun
-
-SEEN = os.environ.get("SPAWNRUN_GPU_BUDGET")
-
+{read}
 def pytest_configure(config):
     if spawnrun.is_child():
-        with open(os.path.join(os.environ["RECORDS"], f"configured-{os.getpid()}"), "w") as f:
+        with open(os.path.join(os.environ["RECORDS"], f"configured-{{os.getpid()}}"), "w") as f:
             f.write(str(SEEN))
 """
 
 
+@pytest.mark.parametrize("reads", [False, True], ids=["conftest-reads-no-budget", "reads-it"])
 def test_a_configured_template_forks_tests_of_other_budgets_each_with_its_own(
-    pytester, monkeypatch
+    pytester, monkeypatch, reads
 ):
     """Tests in files of their own with learned budgets (timm's model tests on a second
     run, one per file here) fork from one configured template, as tests without a
-    budget do: the template runs with none (its conftest saw none, as in-process), and
-    each fork with its test's own, or none where the test has no record. Before, a
-    budget was part of a template's kind, and no learned budget is another test's."""
+    budget do: the template runs with none, and each fork with its test's own, or none
+    where the test has no record. Before, a budget was part of a template's kind, and no
+    learned budget is another test's. A conftest that reads the budget while pytest is
+    configured would see none in the template, where a spawned child sees its test's:
+    then no configured template serves, and each test's conftest sees its own."""
     records = pytester.path / "records"
     records.mkdir()
     monkeypatch.setenv("RECORDS", str(records))
-    pytester.makeconftest(BUDGET_CONFTEST)
+    read = 'SEEN = os.environ.get("SPAWNRUN_GPU_BUDGET")' if reads else "SEEN = 'unread'"
+    pytester.makeconftest(BUDGET_CONFTEST.format(read=read))
     n = 6
     body = (
         "import os, time\n\ndef test_it():\n    time.sleep(0.3)\n"
@@ -703,10 +705,16 @@ def test_a_configured_template_forks_tests_of_other_budgets_each_with_its_own(
         else:
             assert round(int(seen) / 2**20) == round(float(mib)), (i, seen, mib)
     configured = {int(p.name.split("-")[1]): p.read_text() for p in records.glob("configured-*")}
-    own = {int(pid) for pid, _ in ran.values()} - set(configured)
-    assert own and len(configured) < n, configured  # forked from a configured template
-    templates = set(configured) - {int(pid) for pid, _ in ran.values()}
-    assert templates and all(configured[pid] == "None" for pid in templates), configured
+    pids = {int(pid) for pid, _ in ran.values()}
+    templates = set(configured) - pids
+    if not reads:
+        assert pids - set(configured) and len(configured) < n, configured  # forked
+        assert templates, configured
+        return
+    # Each test's conftest saw its own budget, as in a spawned child: none forked from
+    # a configured template (one may have been configured, and then refused).
+    for i, (pid, seen) in ran.items():
+        assert configured.get(int(pid)) == seen, (i, configured)
 
 
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])

@@ -64,10 +64,10 @@ class Ends(Run):
         entry = self.tests[event.test]
         again = event.again and not entry.again and not self.stopping
         if again and not child.scope:
-            self._again(child, entry)
+            self._again(child, entry, event.alone)
             return
         if again and entry.test.forked:
-            self._again_apart(entry)  # the scope's child goes on with its next test
+            self._again_apart(entry, event.alone)  # the scope's child goes on
         else:
             self.end(entry, ev.Replay(event.test))
         if event.interrupt:
@@ -86,22 +86,24 @@ class Ends(Run):
         if more:
             self.emit(ev.Dismiss(child.id))  # it would wait for the scope's next test
 
-    def _again(self, child: Child, entry: Entry) -> None:
-        """Its test runs again, alone, in a child of its own; this one exits."""
-        self._again_apart(entry)
+    def _again(self, child: Child, entry: Entry, alone: bool = True) -> None:
+        """Its test runs again in a child of its own (``alone``: with no budget); this
+        one exits."""
+        self._again_apart(entry, alone)
         child.last, child.test = entry.test.id, ""
         child.move(State.EXITING, self.now, self.now + self.settings.exit_grace)
 
-    def _again_apart(self, entry: Entry) -> None:
-        """The test runs again, alone, in a child of its own: not forked from its
-        template, nor in its scope's child (a template's, which goes on with its next
-        test): a fork runs with the budget its template was started with."""
+    def _again_apart(self, entry: Entry, alone: bool = True) -> None:
+        """The test runs again in a child of its own (``alone``: with no budget; else
+        with its own need): not forked from its template, nor in its scope's child (a
+        template's, which goes on with its next test)."""
         entry.again = True
-        entry.test = replace(entry.test, need=ev.ALONE, scope="", forked=False, template="")
+        need = ev.ALONE if alone else entry.test.need
+        entry.test = replace(entry.test, need=need, scope="", forked=False, template="")
         entry.phase, entry.child = Phase.WAITING, 0
         self.queue.append(entry.test.id)
         self.queue.sort(key=self.submitted.index)
-        self.emit(ev.Again(entry.test.id))
+        self.emit(ev.Again(entry.test.id, alone))
 
     def _exited(self, child: Child, code: int) -> None:
         state = child.state

@@ -154,7 +154,9 @@ class Done(Event):
     failure says the process is broken, so a scope's child is replaced; ``more``: the
     child waits for its scope's next test (False: it exits by itself); ``again``: it
     failed where a guess of the run's may be to blame (a learned budget, its own or a
-    neighbour's): it runs again, alone, once (``Again``), and that run's reports count.
+    neighbour's; a fork of a template): it runs again, once, in a child of its own
+    (``Again``), and that run's reports count; ``alone``: with no budget (the guess was
+    a budget), else with its own need (the guess was only the fork).
     """
 
     child: int
@@ -163,6 +165,7 @@ class Done(Event):
     poisoned: bool = False
     more: bool = True
     again: bool = False
+    alone: bool = True
 
 
 @dataclass(frozen=True)
@@ -310,10 +313,12 @@ class Report(Action):
 
 @dataclass(frozen=True)
 class Again(Action):
-    """The test runs again, alone on its devices: its reports so far are not replayed;
-    those of its next child are (its ``Replay`` comes then)."""
+    """The test runs again in a child of its own (``alone``: alone on its devices, else
+    with its own need): its reports so far are not replayed; those of its next child
+    are (its ``Replay`` comes then)."""
 
     test: str
+    alone: bool = True
 
 
 @dataclass(frozen=True)
