@@ -47,7 +47,6 @@ from spawnrun._forksafe import unsafe_state
 
 
 def main(spec: proto.ZygoteSpec, conn: Connection) -> NoReturn:
-    _child.ACTIVE = True
     _probe.die_with_parent()  # and its children with it, through theirs
     os.setsid()
     fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
