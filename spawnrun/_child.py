@@ -28,6 +28,7 @@ from spawnrun import _availability
 from spawnrun import _budget
 from spawnrun import _bytecode
 from spawnrun import _coverage
+from spawnrun import _main
 from spawnrun import _metadata
 from spawnrun import _probe
 from spawnrun import _protocol as proto
@@ -64,6 +65,7 @@ def main(
     relay.undo = [
         _availability.while_collecting(spec.cuda_available),
         _metadata.while_configuring(),
+        _main.settle,  # before the test: ``__main__`` as complete as the parent's
     ]
     try:
         config = _configure(spec, spec.args, relay)
@@ -181,6 +183,7 @@ def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
     relay.undo = [
         _availability.while_collecting(spec.cuda_available),
         _metadata.while_configuring(),
+        _main.settle,  # before the test: ``__main__`` as complete as the parent's
     ]
     config = _configure(spec, spec.run_args, relay)
     config.pluginmanager.register(serving, "spawnrun-configured")
