@@ -1,11 +1,12 @@
 """Compiled bytecode kept for children where the environment forbids writing it.
 
-Runs in both processes; imports nothing but the standard library, since a child runs it
-before anything else. Container images commonly set ``PYTHONDONTWRITEBYTECODE=1`` over a
-site-packages that has no ``__pycache__``: a fresh interpreter then compiles the Python
-source of torch, pytest and every plugin again, in every child (on the H200 image
-``import torch`` takes 4.3 s that way and 2.3 s from compiled bytecode). In-process pytest pays
-that once; a spawn child pays it per test.
+Runs in both processes; imports nothing but the standard library (and ``_main``, which
+imports nothing else either), since a child runs it before anything else. Container
+images commonly set ``PYTHONDONTWRITEBYTECODE=1`` over a site-packages that has no
+``__pycache__``: a fresh interpreter then compiles the Python source of torch, pytest and
+every plugin again, in every child (on the H200 image ``import torch`` takes 4.3 s that
+way and 2.3 s from compiled bytecode). In-process pytest pays that once; a spawn child
+pays it per test.
 
 With ``spawn_pycache = auto`` (the default) and bytecode writing off in the parent
 (``sys.dont_write_bytecode``, no ``sys.pycache_prefix``), a child boots with
@@ -34,6 +35,8 @@ import sys
 from importlib.util import MAGIC_NUMBER
 from typing import Any
 
+from spawnrun import _main
+
 #: The directory, in a child's environment (spawnrun's own, removed at the start).
 ENV = "SPAWNRUN_PYCACHE_DIR"
 #: Whether this process turned writing on (and must turn it off before its test).
@@ -47,12 +50,14 @@ def wanted(mode: str) -> bool:
     return mode == "auto" and bool(sys.dont_write_bytecode) and sys.pycache_prefix is None
 
 
-def boot(payload: bytes, conn: Any, target: str) -> None:
+def boot(payload: bytes, conn: Any, target: str, main: bytes = b"") -> None:
     """A spawned process's entry: write bytecode (if asked) before importing the rest.
 
     The parent pickles the real target's arguments, so that unpickling them, which
-    imports pytest and spawnrun, happens here, after the switch.
+    imports pytest and spawnrun, happens here, after the switch. ``main``: the parent's
+    ``__main__`` (``_main.describe``), in place before anything else is imported.
     """
+    _main.install(main)
     start()
     module, _, name = target.partition(":")
     __import__(module)

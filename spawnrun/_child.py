@@ -29,6 +29,7 @@ from spawnrun import _budget
 from spawnrun import _bytecode
 from spawnrun import _coverage
 from spawnrun import _environ
+from spawnrun import _main
 from spawnrun import _metadata
 from spawnrun import _probe
 from spawnrun import _protocol as proto
@@ -40,9 +41,17 @@ from spawnrun._relay import Relay
 from spawnrun._relay import arm_faulthandler
 from spawnrun._relay import wanted_paths
 
-#: True in a process whose pytest session was started by ``main``: the plugin then
-#: leaves running tests to pytest instead of spawning again.
-ACTIVE = False
+#: On the configuration of the session this process runs its test in (``_configure``
+#: made it): the plugin then leaves running tests to pytest instead of spawning again.
+#: Another session in the same process (the test's own ``pytester.runpytest()``) is a
+#: pytest process of its own to the plugin, as it would be in-process: not a flag of the
+#: process, which that session would inherit.
+OWN = pytest.StashKey[bool]()
+
+
+def owns(config: pytest.Config) -> bool:
+    """Whether ``config`` is this child's own session's (not one its test started)."""
+    return config.stash.get(OWN, False)
 
 
 def main(
@@ -60,6 +69,7 @@ def main(
         _availability.while_collecting(spec.cuda_available),
         _metadata.while_configuring(),
         _environ.observing_boot(),  # whether its boot read its device mask
+        _main.settle,  # before the test: ``__main__`` as complete as the parent's
     ]
     try:
         config = _configure(spec, spec.args, relay)
@@ -117,14 +127,17 @@ def _from_dict_args(
     option_dict: dict[str, Any], args: list[str], plugin_args: list[str]
 ) -> pytest.Config:
     """``pytest.Config.fromdictargs(option_dict, args)``, from the configuration the
-    template made ahead where there is one (used once: it is this process's copy)."""
+    template made ahead where there is one (used once: it is this process's copy),
+    marked as this child's own (``OWN``) before anything asks."""
     config = _PREBUILT.pop(tuple(plugin_args), None)
     if config is None:
-        return pytest.Config.fromdictargs(option_dict, args)
-    # As get_config(args) would have made them, here and now.
-    config.invocation_params = dataclasses.replace(
-        config.invocation_params, args=tuple(args), dir=Path.cwd()
-    )
+        config = _get_config(args)
+    else:  # as get_config(args) would have made them, here and now
+        config.invocation_params = dataclasses.replace(
+            config.invocation_params, args=tuple(args), dir=Path.cwd()
+        )
+    # Before its initial conftests load (``parse``): ``_headstart`` asks then.
+    config.stash[OWN] = True
     config.option.__dict__.update(option_dict)
     config.parse(args, addopts=False)
     for name in config.option.plugins:
@@ -160,8 +173,6 @@ def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
     the parent's own arguments, and start the session; ``serving`` forks each test where
     the session would collect. Returns only in a fork, whose session then ends here as
     a child's does (``take_over`` made it the test's child)."""
-    global ACTIVE
-    ACTIVE = True
     _bytecode.start()  # no budget here: each fork installs its own, once
     own = os.path.join(
         os.path.dirname(os.path.dirname(spec.stacks_path)), f"template-{os.getpid()}"
@@ -177,6 +188,7 @@ def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
         _availability.while_collecting(spec.cuda_available),
         _metadata.while_configuring(),
         _environ.observing_boot(),  # whether its boot read its device mask
+        _main.settle,  # before the test: ``__main__`` as complete as the parent's
     ]
     config = _configure(spec, spec.run_args, relay)
     config.pluginmanager.register(serving, "spawnrun-configured")
@@ -240,8 +252,6 @@ def _output_to(log_path: str | None, streams: list[int]) -> None:
 
 def isolate(spec: proto.ChildSpec, conn: Connection, parent: int | None = None) -> Relay:
     """Make this process a test's own: session, output, crash stacks, capture buffers."""
-    global ACTIVE
-    ACTIVE = True
     _probe.die_with_parent(parent)
     # Own session and process group: the parent can kill everything the test
     # started with one killpg, and a Ctrl-C at the terminal reaches only the parent.

@@ -37,6 +37,7 @@ from spawnrun import _bytecode
 from spawnrun import _coverage
 from spawnrun import _declared
 from spawnrun import _learned
+from spawnrun import _main
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _reports
@@ -81,7 +82,7 @@ class Zygote:
         self.conn, child_conn = _runner.CTX.Pipe(duplex=True)
         self.proc: Any = _runner.CTX.Process(
             target=_bytecode.boot,
-            args=(pickle.dumps((spec,)), child_conn, "spawnrun._zygote:main"),
+            args=(pickle.dumps((spec,)), child_conn, "spawnrun._zygote:main", _main.describe()),
             name="spawnrun zygote",
             daemon=False,
         )

@@ -139,7 +139,7 @@ class HeadStart:
 
 def start(config: pytest.Config) -> None:
     """At ``pytest_load_initial_conftests``: start the template if fast mode will run."""
-    if _child.ACTIVE:
+    if _child.owns(config):
         return
     early = _Early(config)
     if _settings.xdist_controller(early.getoption):

@@ -83,8 +83,9 @@ def arm_faulthandler(stacks: IO[str]) -> None:
     faulthandler.register(DUMP_SIGNAL, file=stacks, all_threads=True, chain=False)
 
 
-def _list_wanted(wanted: Callable[[str], bool]) -> None:
-    """pytest's directory and package collectors list only the ``wanted`` entries.
+def _list_wanted(wanted: Callable[[str], bool]) -> Callable[[], None]:
+    """pytest's directory and package collectors list only the ``wanted`` entries, until
+    the returned function undoes it.
 
     They call the ignore hook for each entry of the directories on the way to the
     test: a hook call of every plugin, and a legacy path made for it, per sibling file
@@ -92,6 +93,11 @@ def _list_wanted(wanted: Callable[[str], bool]) -> None:
     collection on them). What is left out here, ``Relay.pytest_ignore_collect`` would
     ignore; other collectors (a plugin's own) still meet the hook. Where pytest lists
     directories otherwise (another version), nothing changes.
+
+    The patch is of pytest's modules, which every session in the process shares: it is
+    undone once the child's own collection is over (``Relay.undo``), so that a session
+    its test starts (``pytester.runpytest()``, ``inline_run``) lists its directories as
+    it would in-process, not filtered by the child's arguments.
     """
     import _pytest.pathlib
 
@@ -100,10 +106,19 @@ def _list_wanted(wanted: Callable[[str], bool]) -> None:
     def scandir(path: Any, *args: Any, **kwargs: Any) -> list[os.DirEntry[str]]:
         return [e for e in listing(path, *args, **kwargs) if wanted(e.path)]
 
+    patched = []
     for name in ("_pytest.main", "_pytest.python"):
         module = sys.modules.get(name)
         if getattr(module, "scandir", None) is listing:
             module.scandir = scandir  # type: ignore[union-attr]
+            patched.append(module)
+
+    def undo() -> None:
+        for module in patched:
+            if module.scandir is scandir:  # type: ignore[union-attr]
+                module.scandir = listing  # type: ignore[union-attr]
+
+    return undo
 
 
 def wanted_paths(args: list[str], invocation_dir: str) -> tuple[set[str], tuple[str, ...]] | None:
@@ -171,7 +186,7 @@ class Relay:
     def pytest_configure(self, config: Any) -> None:
         self.config = config
         _refuse_debuggers()
-        _list_wanted(self._wanted)
+        self.undo.append(_list_wanted(self._wanted))
         # pytest's own faulthandler plugin points faulthandler at stderr during
         # configure; take it back so crash stacks land where the parent reads them.
         arm_faulthandler(self.stacks)

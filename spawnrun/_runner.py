@@ -27,6 +27,7 @@ import pytest
 from spawnrun import CHILD_ENV
 from spawnrun import _bytecode
 from spawnrun import _leave
+from spawnrun import _main
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
 
@@ -400,7 +401,7 @@ class ChildProcess:
         conn, child_conn = CTX.Pipe(duplex=True)
         proc = CTX.Process(
             target=_bytecode.boot,
-            args=(pickle.dumps((spec,)), child_conn, "spawnrun._child:main"),
+            args=(pickle.dumps((spec,)), child_conn, "spawnrun._child:main", _main.describe()),
             name=f"spawnrun {spec.nodeid}",
             daemon=False,
         )

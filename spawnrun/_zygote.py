@@ -49,7 +49,6 @@ from spawnrun._forksafe import unsafe_state
 
 
 def main(spec: proto.ZygoteSpec, conn: Connection) -> NoReturn:
-    _child.ACTIVE = True
     _streams.arm()  # its forks, and the configured templates', keep what code seeded
     _probe.die_with_parent()  # and its children with it, through theirs
     os.setsid()

@@ -119,7 +119,7 @@ def _default_jobs(gpus: int, per_gpu: int, cpus: int) -> int:
 
 @pytest.hookimpl
 def pytest_configure(config: pytest.Config) -> None:
-    if _child.ACTIVE:
+    if _child.owns(config):
         # The parent validated every setting; the child only registers the same markers
         # (for --strict-markers), from the same ini file and environment.
         marker = _settings.marker_name(config)

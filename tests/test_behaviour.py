@@ -818,6 +818,70 @@ def test_script_without_main_guard_is_not_rerun_in_children(pytester):
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
 
 
+MAIN_SUITE = """
+import doctest, json, sys, warnings
+import pytest
+
+def observe(name):
+    main = sys.modules["__main__"]
+    spec = main.__spec__
+    # doctest.testmod() with no module tests __main__ (einops' test file collects it as
+    # a test): on Python 3.11 a bare __main__ gave a DeprecationWarning of importlib's.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        doctest.testmod()
+    seen = {
+        "repr": repr(main),
+        "name": main.__name__,
+        "file": getattr(main, "__file__", None),
+        "doc": main.__doc__,
+        "spec": None if spec is None else [spec.name, spec.origin, spec.cached],
+        "loader": [type(main.__loader__).__name__, getattr(main.__loader__, "path", None)],
+        "vars": {k: type(v).__name__ for k, v in vars(main).items()},
+        "dir": dir(main),
+        "warnings": [str(w.message) for w in caught],
+    }
+    with open(name + ".json", "w") as f:
+        json.dump(seen, f)
+
+def test_in_process():
+    observe("in_process")
+
+@pytest.mark.gpu
+def test_spawned():
+    observe("spawned")
+"""
+
+
+@pytest.mark.parametrize("how", ["spawn", "forkserver", "script"])
+def test_a_child_sees_the_parents_main_module(pytester, how):
+    # A spawned child's __main__ is the parent's as a test sees it (name, file, spec,
+    # docstring, what it binds), without the parent's script running again in it:
+    # under `python -m pytest` pytest's __main__, under a script the script.
+    pytester.makepyfile(test_main=MAIN_SUITE)
+    args = ["-p", "no:cacheprovider", "--spawn-method", "spawn" if how == "script" else how]
+    if how == "script":
+        pytester.makepyfile(
+            run=f'''
+            """Runs the suite."""
+            import sys
+            import pytest
+            LIMIT = 3
+            NAMES = ("a", "b")
+            if __name__ == "__main__":
+                sys.exit(pytest.main({args!r}))
+            '''
+        )
+        result = pytester.run(sys.executable, "run.py", timeout=120)
+    else:
+        result = pytester.runpytest_subprocess(*args)
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=2)
+    spawned = json.loads((pytester.path / "spawned.json").read_text())
+    assert spawned == json.loads((pytester.path / "in_process.json").read_text())
+    assert spawned["warnings"] == []
+
+
 def test_warning_class_is_never_imported_in_the_parent(pytester):
     # A warning raised in a child from a module the parent never imported (torch's, say)
     # is shown under its own name without the parent importing that module.

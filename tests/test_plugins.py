@@ -284,3 +284,44 @@ def test_forked_never_forks_a_spawned_test(pytester, order):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *order, "--forked")
     result.stdout.no_fnmatch_line(NO_INTERNAL)
     result.assert_outcomes(passed=2)
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_pytester_in_a_spawned_test_runs_its_inner_session_as_in_process(pytester, method):
+    # A spawned test's own in-process pytest sessions (runpytest, inline_run) collect
+    # and run their tests as in plain pytest: the child's collection shortcuts (its
+    # listing of the paths it was given) and its being the child are its own session's,
+    # not the process's. spawnrun is loaded in the inner session as in any pytest: it
+    # spawns the inner marked test itself.
+    pytester.makeconftest('pytest_plugins = ["pytester"]\n')
+    pytester.makepyfile(
+        test_outer='''
+        INNER = """
+        import pytest
+
+        def test_passes():
+            pass
+
+        def test_fails():
+            assert 0
+
+        @pytest.mark.gpu
+        def test_spawned():
+            pass
+        """
+
+        def test_inner_session(pytester):
+            pytester.makepyfile(test_inner=INNER)
+            result = pytester.runpytest("-p", "no:cacheprovider")
+            result.assert_outcomes(passed=2, failed=1)
+            result.stdout.fnmatch_lines(["*1 test isolated in 1 child*"])
+            pytester.inline_run("-p", "no:cacheprovider").assertoutcome(passed=2, failed=1)
+            result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+            result.assert_outcomes(passed=2, failed=1)
+        '''
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-gpu", "--spawn-method", method
+    )
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=1)
