@@ -24,6 +24,7 @@ import gc
 import importlib
 import os
 import sys
+import time
 import traceback
 import types
 from collections.abc import Iterator
@@ -138,12 +139,13 @@ class _Template:
         #: Templates that configured pytest once; their forks are tests' children too.
         self.pool = _configured.Pool()
 
-    def load(self, modules: list[str]) -> None:
+    def load(self, modules: list[str], learned: bool = False) -> None:
         """Import ``modules`` in order, checking safety after each top-level package.
 
         The first package after whose import forking became unsafe is named as the
         culprit (the parent may then build a template without it); nothing after it
-        is imported.
+        is imported. ``learned``: the parent hears when each package starts, and when
+        all are done, so that it can give up on an import that blocks.
         """
         failed = []
         culprit = ""
@@ -160,6 +162,8 @@ class _Template:
                 if not names:
                     continue  # imported already: nothing to check again
                 imported = True
+                if learned:
+                    self.conn.send(proto.Importing(top, time.monotonic()))
                 before = {m.partition(".")[0] for m in sys.modules}
                 for name in names:
                     try:
@@ -172,6 +176,8 @@ class _Template:
                     culprit = top
                     now = {m.partition(".")[0] for m in sys.modules}
                     suspects = sorted({top} | (now - before))
+            if learned:
+                self.conn.send(proto.Importing("", time.monotonic()))
             _metadata.snapshot()  # each fork's pytest reads the installed packages from it
             # The garbage the imports left (cycles holding files, say) is collected once,
             # here, not at every threshold along the way (``_collector_paused``). What is
@@ -231,7 +237,7 @@ class _Template:
                 if stale:
                     self.conn.send(proto.ZygoteReady(os.getpid(), stale=stale))
                 else:
-                    self.load(request.modules)
+                    self.load(request.modules, request.learned)
             elif isinstance(request, proto.Prime):
                 if not self.refusal:
                     self.pool.prime(request.request, lambda r: self._configure(r, []), request.wait)
