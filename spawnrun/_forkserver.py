@@ -128,6 +128,10 @@ class Zygote:
         self.importing = ""
         self.importing_at = 0.0
         self.learned_spent = 0.0
+        #: Top-level packages that more than the cache names (the parent imported them,
+        #: a test file's import line names them): their import is not bounded, as the
+        #: parent's own is not.
+        self.trusted: set[str] = set()
 
     def preload(
         self,
@@ -175,12 +179,12 @@ class Zygote:
         end = time.monotonic() + limit
         while self.pending:
             learned_end = math.inf
-            if self.importing:
+            if self.importing and self.importing not in self.trusted:
                 learned_end = self.importing_at + learned_limit - self.learned_spent
             # Polled even past the bound: its answer may be waiting, read late.
             reply = self._next(max(0.0, min(end, learned_end) - time.monotonic()))
             if isinstance(reply, proto.Importing):
-                if self.importing:
+                if self.importing and self.importing not in self.trusted:
                     self.learned_spent += reply.at - self.importing_at
                 self.importing, self.importing_at = reply.top, reply.at
                 continue
@@ -276,7 +280,8 @@ class Zygote:
 
     def spent(self) -> float:
         """Seconds its learned preloads took, the one it imports now included."""
-        now = time.monotonic() - self.importing_at if self.importing else 0.0
+        bounded = self.importing and self.importing not in self.trusted
+        now = time.monotonic() - self.importing_at if bounded else 0.0
         return self.learned_spent + now
 
     def kill(self) -> None:
@@ -445,10 +450,16 @@ class ZygoteHolder:
             rewrite=self.rewrite,
         )
         try:
-            return Zygote(spec, self.child_environ)
+            zygote = Zygote(spec, self.child_environ)
         except Exception as exc:  # noqa: BLE001 - fast mode off, never the run's end
             self._turn_off(config, f"the template could not be started ({exc!r})")
             return None
+        zygote.trusted = self.trusted()
+        return zygote
+
+    def trusted(self) -> set[str]:
+        """The top-level packages that more than pytest's cache names (``Zygote.trusted``)."""
+        return {_top(m) for m in self.found}
 
     def collected(self, test_files: Set[Path] = frozenset()) -> None:
         """Collection is done: preload the libraries it imported, and the project's own

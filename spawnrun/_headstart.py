@@ -109,6 +109,7 @@ class HeadStart:
             return None
         holder.optional = _dedupe([*self.optional, *holder.optional])
         holder.learned |= self.learned - holder.found
+        zygote.trusted = holder.trusted()
         new = [m for m in [*holder.base, *holder.optional] if m not in {*self.base, *self.optional}]
         path = list(sys.path) if sys.path != self.path else None
         rewrite = holder.rewrite if holder.rewrite != self.rewrite else None

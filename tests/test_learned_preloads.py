@@ -127,6 +127,26 @@ def test_a_learned_preload_whose_import_blocks_is_given_up_on(pytester, monkeypa
     result.stdout.fnmatch_lines(["*stuck*an earlier run found this*"])
 
 
+def test_a_slow_library_the_parent_imports_too_is_not_given_up_on(pytester, monkeypatch):
+    """The bound is for what only the cache names: a library the parent imports too
+    (torch, slow on a cold disk; here from a conftest's hook, which the template that
+    started before the conftests could not know) is waited for as the parent's own
+    import is, never left out for being slow."""
+    _library(pytester, monkeypatch, "slowish", "import time\ntime.sleep(2)\n")
+    pytester.makeconftest(
+        "import spawnrun._forkserver\n"
+        "spawnrun._forkserver.LEARNED_LIMIT = 0.5  # in the parent; 60 s really\n"
+        "def pytest_configure(config):\n"
+        "    import slowish  # no import line at the top: only the parent knows\n"
+    )
+    pytester.makepyfile(test_mine=SUITE)
+    _plant(pytester, _learned.CACHE_TEMPLATE_MODULES, ["slowish"])
+    result = pytester.runpytest_subprocess("--spawn-method", "forkserver", "-W", "default")
+    result.stdout.no_fnmatch_line(NO_INTERNAL)
+    result.assert_outcomes(passed=2, warnings=0)
+    assert "slowish" in _cached(pytester, _learned.CACHE_TEMPLATE_MODULES)  # type: ignore[operator]
+
+
 def test_check_modules_keeps_installed_libraries_only(tmp_path, monkeypatch):
     """The checks alone, without processes: shape, names, count, and where a name's
     top-level package is found (without importing it)."""
