@@ -14,11 +14,18 @@ initializes CUDA or starts a thread at import), the template is rebuilt without 
 package (up to ``RETRIES`` times), with a warning naming it. Any other failure or refusal,
 an unsafe ``spawn_preload`` module included, turns the zygote off: the run spawns from
 then on, with one warning.
+
+What only pytest's cache names (learned preloads, the last template's modules) is a
+guess: checked before it is imported (``_learned.check_cache``), imported last, and
+given ``LEARNED_LIMIT`` in all; a template still importing one past that is killed and
+rebuilt without them, with a warning naming the package, which is left out and
+remembered like an unsafe one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import pickle
 import signal
@@ -53,6 +60,10 @@ BOOT_LIMIT = 600.0
 #: it was told (the first fork waits for that), its answer takes milliseconds; the event
 #: loop stands still meanwhile, so a template that does not answer is given up soon.
 FORK_LIMIT = 10.0
+#: How long the template may take, in all, to import what only pytest's cache names
+#: (learned preloads): a guess, never worth a stalled session. Imported beside the
+#: parent's collection, torch takes 1-5 s of it on the images measured.
+LEARNED_LIMIT = 60.0
 
 OFF = "spawnrun: the forkserver is off and every test spawns from now on: {reason}"
 NOT_IMPORTED = (
@@ -72,6 +83,16 @@ LEFT_OUT_READ = (
 )
 EXCLUDED_KEY = "spawnrun/template-excluded"
 REMEMBERED = " (an earlier run found this: `pytest --cache-clear` tries it again)"
+SLOW = (
+    "spawnrun: the forkserver leaves {module} out of its template: importing it, as "
+    "pytest's cache asked (a learned preload), took over {limit:g} s; the template is "
+    "rebuilt without learned preloads, and children import them themselves"
+)
+#: How a slow import is kept among the remembered exclusions (its reason starts so).
+SLOW_REASON = "slow: importing it took over {limit:g} s"
+SLOW_REMEMBERED = (
+    "spawnrun: the forkserver leaves {module} out of its template: importing it took too long"
+)
 #: How many times a template is rebuilt without a package that made it unsafe.
 RETRIES = 3
 
@@ -108,6 +129,15 @@ class Zygote:
         self.closed = False
         #: How the template ended before answering ("" while it answers).
         self.ended = ""
+        #: The learned preload's package it imports now ("": none), since when (its
+        #: clock), and the seconds its learned preloads took before it.
+        self.importing = ""
+        self.importing_at = 0.0
+        self.learned_spent = 0.0
+        #: Top-level packages that more than the cache names (the parent imported them,
+        #: a test file's import line names them): their import is not bounded, as the
+        #: parent's own is not.
+        self.trusted: set[str] = set()
 
     def preload(
         self,
@@ -119,17 +149,55 @@ class Zygote:
             self.conn.send(proto.Preload(modules, path, rewrite))
             self.pending += 1
 
+    def preload_all(
+        self,
+        modules: list[str],
+        learned: Collection[str],
+        path: list[str] | None = None,
+        rewrite: proto.Rewrite | None = None,
+    ) -> None:
+        """Preload ``modules``, those of ``learned`` last and bounded (``ready``)."""
+        plain = [m for m in modules if m not in learned]
+        guessed = [m for m in modules if m in learned]
+        if plain or path is not None or rewrite is not None:
+            self.preload(plain, path, rewrite)
+        if guessed:
+            with contextlib.suppress(OSError):
+                self.conn.send(proto.Preload(guessed, learned=True))
+                self.pending += 1
+
     @property
     def listening(self) -> bool:
         """Whether the template can still be heard (the event loop waits on it then)."""
         return not (self.closed or self.stream.ended or self.stream.problem)
 
-    def ready(self, limit: float = BOOT_LIMIT) -> proto.ZygoteReady:
-        """Wait for every pending answer; the first one with a problem, else the last."""
+    def ready(
+        self, limit: float = BOOT_LIMIT, learned_limit: float | None = None
+    ) -> proto.ZygoteReady:
+        """Wait for every pending answer; the first one with a problem, else the last.
+
+        Learned preloads get ``learned_limit`` seconds in all (``LEARNED_LIMIT``): past
+        it, an answer with ``slow`` set names the package the template was importing.
+        """
+        if learned_limit is None:
+            learned_limit = LEARNED_LIMIT
         answer = proto.ZygoteReady(self.pid)
         end = time.monotonic() + limit
         while self.pending:
-            reply = self._next(end - time.monotonic())
+            learned_end = math.inf
+            if self.importing and self.importing not in self.trusted:
+                learned_end = self.importing_at + learned_limit - self.learned_spent
+            # Polled even past the bound: its answer may be waiting, read late.
+            reply = self._next(max(0.0, min(end, learned_end) - time.monotonic()))
+            if isinstance(reply, proto.Importing):
+                if self.importing and self.importing not in self.trusted:
+                    self.learned_spent += reply.at - self.importing_at
+                self.importing, self.importing_at = reply.top, reply.at
+                continue
+            if reply is None and self.listening and time.monotonic() >= learned_end:
+                took = f"importing it took over {learned_limit:g} s"
+                culprit = self.importing
+                return proto.ZygoteReady(self.pid, took, culprit, suspects=[culprit], slow=True)
             if reply is None and not self.listening:
                 self.proc.join(1.0)  # it is gone: only its exit status is left to read
                 self.ended = (
@@ -221,6 +289,19 @@ class Zygote:
             self.exits[msg.pid] = msg.code
             self.inbox.remove(msg)
 
+    def spent(self) -> float:
+        """Seconds its learned preloads took, the one it imports now included."""
+        bounded = self.importing and self.importing not in self.trusted
+        now = time.monotonic() - self.importing_at if bounded else 0.0
+        return self.learned_spent + now
+
+    def kill(self) -> None:
+        """End it at once (it is stuck in an import: it would not leave when told)."""
+        if not self.closed and self.proc.exitcode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+        self.close()
+
     def close(self) -> None:
         if self.closed:
             return
@@ -292,6 +373,15 @@ class ZygoteHolder:
         self.optional: list[str] = []
         #: Top-level packages left out because they made a template unsafe.
         self.excluded: list[str] = []
+        #: What only pytest's cache named (imported last, bounded), and what of it the
+        #: checks dropped (``_learned.check_cache``).
+        self.learned: set[str] = set()
+        self.rejected: set[str] = set()
+        #: What something besides the cache names (plugins, the parent's imports, the
+        #: test files' import lines): never bounded as learned.
+        self.found: set[str] = set()
+        #: Seconds earlier templates of this run spent on learned preloads.
+        self.learned_spent = 0.0
         self.off = ""
         self.checked = False
         #: Set in the template's environment (``_bytecode``'s directory).
@@ -323,18 +413,19 @@ class ZygoteHolder:
         self.base = base_modules(config, self.preload)
         self._remembered(config)
         self.rewrite = rewrite_of(config)
+        learned, self.rejected = _learned.check_cache(config)
         # Plugins' modules, what earlier runs' tests imported (learned preloads), the
         # libraries the conftests imported (torch, at once rather than after collection)
         # and those the test files import, read (a first run's learned preloads).
         args = [str(a) for a in config.args]
-        wanted = _dedupe(
-            [
-                *plugin_modules(config, self.rootdir),
-                *_learned.preloads(config),
-                *library_modules(self.rootdir),
-                *_declared.test_file_imports(config, self.rootdir, args),
-            ]
-        )
+        plugins = plugin_modules(config, self.rootdir)
+        found = [
+            *library_modules(self.rootdir),
+            *_declared.test_file_imports(config, self.rootdir, args),
+        ]
+        wanted = _dedupe([*plugins, *learned, *found])
+        self.found = {*plugins, *found}
+        self.learned = set(learned) - self.found
         self.optional = [m for m in wanted if m not in self.base and self.may_keep(m)]
         self.early = early
         if early is not None:
@@ -345,11 +436,25 @@ class ZygoteHolder:
     def _fresh(self, config: Any) -> None:
         """A template from scratch: the base, then everything optional found so far."""
         self.zygote = self._make(config, self.base)
-        if self.zygote is not None and self.optional:
-            self.zygote.preload(self.optional)
+        modules = self.wanted()
+        if self.zygote is not None and modules:
+            self.zygote.preload_all(modules, self.learned)
+
+    def wanted(self) -> list[str]:
+        """The optional modules a new template imports: not left out, and learned
+        preloads only while their time is not spent."""
+        spent = self.learned_spent >= LEARNED_LIMIT
+        return [
+            m
+            for m in self.optional
+            if _top(m) not in self.excluded and not (spent and m in self.learned)
+        ]
 
     def may_keep(self, module: str) -> bool:
-        """Whether the template may import ``module`` (optional, not left out)."""
+        """Whether the template may import ``module`` (optional, not left out, not
+        dropped from the cache)."""
+        if module in self.rejected:
+            return False
         return may_keep(self.config, module, self.rewrite, self.excluded)
 
     def _make(self, config: Any, modules: list[str]) -> Zygote | None:
@@ -360,10 +465,16 @@ class ZygoteHolder:
             rewrite=self.rewrite,
         )
         try:
-            return Zygote(spec, self.child_environ)
+            zygote = Zygote(spec, self.child_environ)
         except Exception as exc:  # noqa: BLE001 - fast mode off, never the run's end
             self._turn_off(config, f"the template could not be started ({exc!r})")
             return None
+        zygote.trusted = self.trusted()
+        return zygote
+
+    def trusted(self) -> set[str]:
+        """The top-level packages that more than pytest's cache names (``Zygote.trusted``)."""
+        return {_top(m) for m in self.found}
 
     def collected(self, test_files: Set[Path] = frozenset()) -> None:
         """Collection is done: preload the libraries it imported, and the project's own
@@ -443,34 +554,44 @@ class ZygoteHolder:
     def _check(self, config: Any) -> None:
         assert self.zygote is not None
         end = time.monotonic() + BOOT_LIMIT
-        ready = self.zygote.ready()
+        ready = self.zygote.ready(BOOT_LIMIT, LEARNED_LIMIT)
         if ready.stale:  # the head start's template: built again, from scratch
             if self.early is not None:
                 self.early.stale(ready.stale)
+            self.learned_spent += self.zygote.spent()
             self.zygote.close()
             self._fresh(config)
             if self.zygote is None:
                 return
-            ready = self.zygote.ready(end - time.monotonic())
+            ready = self.zygote.ready(end - time.monotonic(), LEARNED_LIMIT - self.learned_spent)
         base_tops = {_top(m) for m in self.base}
         for _ in range(RETRIES):
             if not ready.problem or self.zygote.ended:
                 break
             culprit = ready.culprit
-            if not culprit or culprit in base_tops:
+            if not culprit or (culprit in base_tops and not ready.slow):
                 break
             new = [p for p in ready.suspects or [culprit] if p not in base_tops]
             self.excluded += new
             left_out = ", ".join(ready.suspects or [culprit])
-            text = TRIMMED.format(module=left_out, reason=_unsafe(ready.problem))
+            self.learned_spent += self.zygote.spent()
+            if ready.slow:
+                # Given up on: every learned preload is, for this run (their time is
+                # spent); the culprit is forgotten and, next time, left out.
+                self.zygote.kill()
+                text = SLOW.format(module=left_out, limit=LEARNED_LIMIT)
+                reason = SLOW_REASON.format(limit=LEARNED_LIMIT)
+                _learned.forget(config, new)
+            else:
+                self.zygote.close()
+                text = TRIMMED.format(module=left_out, reason=_unsafe(ready.problem))
+                reason = ready.problem
             _reports.record_warning(config, _reports.warning(text), "")
-            self._remember(config, new, ready.problem)
-            self.zygote.close()
-            kept = [m for m in self.optional if _top(m) not in self.excluded]
-            self.zygote = self._make(config, self.base + kept)
+            self._remember(config, new, reason)
+            self._fresh(config)
             if self.zygote is None:
                 return
-            ready = self.zygote.ready(end - time.monotonic())
+            ready = self.zygote.ready(end - time.monotonic(), LEARNED_LIMIT - self.learned_spent)
         self._not_imported(config)
         if self.zygote.ended:
             self._turn_off(config, self.zygote.ended)
@@ -488,9 +609,12 @@ class ZygoteHolder:
                 self.excluded.append(top)
                 by_reason.setdefault(str(reason), []).append(top)
         for reason, tops in by_reason.items():
-            text = TRIMMED.format(module=", ".join(sorted(tops)), reason=_unsafe(reason))
-            text += REMEMBERED
-            _reports.record_warning(config, _reports.warning(text), "")
+            module = ", ".join(sorted(tops))
+            if reason.startswith("slow: "):
+                text = SLOW_REMEMBERED.format(module=module)
+            else:
+                text = TRIMMED.format(module=module, reason=_unsafe(reason))
+            _reports.record_warning(config, _reports.warning(text + REMEMBERED), "")
 
     def _remember(self, config: Any, tops: list[str], reason: str) -> None:
         cache = getattr(config, "cache", None)

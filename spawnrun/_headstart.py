@@ -49,7 +49,7 @@ from spawnrun._libraries import is_library
 
 KEY = pytest.StashKey["HeadStart"]()
 #: Where pytest's cache keeps the library modules the last run's template imported.
-CACHE_MODULES = "spawnrun/template-modules"
+CACHE_MODULES = _learned.CACHE_TEMPLATE_MODULES
 #: Where it keeps why the last head start did not fit ("" or absent: it may start).
 CACHE_OFF = "spawnrun/head-start-off"
 #: A reason kept until the cache is cleared: only a template can find it out.
@@ -72,6 +72,8 @@ class HeadStart:
     #: Why an earlier run's head start did not fit (the cache's), or "".
     off: str = ""
     cache: Any = None
+    #: What of ``optional`` only pytest's cache named (imported last, bounded).
+    learned: set[str] = dataclasses.field(default_factory=set)
 
     def misfit(self, holder: _forkserver.ZygoteHolder) -> str:
         """Why a template started with this would differ from the holder's ("": none)."""
@@ -106,11 +108,12 @@ class HeadStart:
                 zygote.close()
             return None
         holder.optional = _dedupe([*self.optional, *holder.optional])
+        holder.learned |= self.learned - holder.found
+        zygote.trusted = holder.trusted()
         new = [m for m in [*holder.base, *holder.optional] if m not in {*self.base, *self.optional}]
         path = list(sys.path) if sys.path != self.path else None
         rewrite = holder.rewrite if holder.rewrite != self.rewrite else None
-        if new or path is not None or rewrite is not None:
-            zygote.preload(new, path, rewrite)
+        zygote.preload_all(new, holder.learned, path, rewrite)
         log = _move_log(zygote.spec.log_path, holder.workdir)
         zygote.spec = dataclasses.replace(zygote.spec, log_path=log)
         return zygote
@@ -170,16 +173,19 @@ def start(config: pytest.Config) -> None:
     rootdir = Path(config.rootpath).resolve()
     excluded = set(_forkserver.remembered_exclusions(early))
     rewrite = _forkserver.rewrite_of(config)
-    wanted = [
+    found = [
         *_forkserver.plugin_modules(config, rootdir),
         *_declared.conftest_imports(config, rootdir),
         *_declared.test_file_imports(config, rootdir, _declared.paths_to_collect(config)),
+    ]
+    # Checked, not reported: the session does that (``_learned.check_cache``), once.
+    learned = [
         *_learned.preloads(early),  # type: ignore[arg-type]
-        *_cached_modules(early.cache),
+        *_learned.template_modules(early),  # type: ignore[arg-type]
     ]
     optional = [
         m
-        for m in _dedupe(wanted)
+        for m in _dedupe([*found, *learned])
         if m not in base and _forkserver.may_keep(config, m, rewrite, excluded)
     ]
     off = early.cache.get(CACHE_OFF, "") if early.cache is not None else ""
@@ -195,6 +201,7 @@ def start(config: pytest.Config) -> None:
         workdir=workdir,
         off=off if isinstance(off, str) else "",
         cache=early.cache,
+        learned=set(learned) - set(found),
     )
     config.stash[KEY] = head
     config.add_cleanup(head.close)
@@ -206,8 +213,7 @@ def start(config: pytest.Config) -> None:
         head.zygote = _forkserver.Zygote(spec, child_environ)
     except Exception:  # noqa: BLE001 - the session starts one as before, and says why
         return
-    if optional:
-        head.zygote.preload(optional)
+    head.zygote.preload_all(optional, head.learned)
 
 
 def remember(config: pytest.Config, holder: _forkserver.ZygoteHolder) -> None:
@@ -224,16 +230,9 @@ def remember(config: pytest.Config, holder: _forkserver.ZygoteHolder) -> None:
         and m.partition(".")[0] not in holder.excluded
         and (m not in sys.modules or is_library(sys.modules[m], rootdir))
     ][: _learned.MAX_PRELOADS]
-    if modules != _cached_modules(cache):
+    if modules != cache.get(CACHE_MODULES, None):
         with contextlib.suppress(Exception):
             cache.set(CACHE_MODULES, modules)
-
-
-def _cached_modules(cache: Any) -> list[str]:
-    stored = cache.get(CACHE_MODULES, []) if cache is not None else []
-    if not isinstance(stored, list):
-        return []
-    return [str(m) for m in stored if isinstance(m, str) and m]
 
 
 def _move_log(log: str, workdir: Path) -> str:

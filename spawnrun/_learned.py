@@ -8,13 +8,26 @@ that a whole file's collection no longer yields (a test renamed or removed). A f
 counts as wholly collected when the command line names it (or a folder above it) rather
 than some of its tests, its collection did not fail, and ``--lf`` did not narrow it:
 pytest then yields every test the file still has.
+
+It also keeps the modules fast mode's template imports (learned preloads, the last
+template's modules). Those are read as guesses, never trusted: ``check_modules`` keeps
+only dotted names of installed libraries found outside the rootdir, and ``check_cache``
+drops the rest from the cache and says so.
 """
 
 from __future__ import annotations
 
+import contextlib
+import keyword
+import os
+from collections.abc import Collection
 from collections.abc import Mapping
+from pathlib import Path
 
 import pytest
+
+from spawnrun import _libraries
+from spawnrun import _reports
 
 #: Where learned peaks live in pytest's cache: node id -> bytes.
 CACHE_PEAKS = "spawnrun/peaks"
@@ -24,8 +37,26 @@ CACHE_DURATIONS = "spawnrun/durations"
 CACHE_LOADS = "spawnrun/cpu-loads"
 #: Where learned preloads live: the third-party modules tests imported, in import order.
 CACHE_PRELOADS = "spawnrun/preloads"
+#: Where the library modules the last run's template imported live (``_headstart``).
+CACHE_TEMPLATE_MODULES = "spawnrun/template-modules"
 #: The most modules kept there.
 MAX_PRELOADS = 3000
+#: The longest module name taken from the cache.
+MAX_NAME = 200
+
+#: Why a name the cache gives is not imported (``check_modules``).
+NOT_A_LIST = "not a list of module names"
+NOT_A_NAME = "not a module name"
+NOT_A_LIBRARY = "the standard library, pytest or spawnrun"
+IN_ROOTDIR = "a module of the rootdir"
+NOT_INSTALLED = "not found installed"
+TOO_MANY = f"past the first {MAX_PRELOADS} names"
+DROPPED = (
+    "spawnrun: fast mode's template does not import what pytest's cache names but is no "
+    "installed library, and the cache forgets it: {dropped}"
+)
+#: The names listed in that warning, at most, by key.
+MAX_LISTED = 12
 #: This run's tests' imports (``Done.imported``), in the order they were told.
 IMPORTED_KEY = pytest.StashKey[dict[str, None]]()
 
@@ -59,12 +90,137 @@ def _load(config: pytest.Config, key: str) -> dict[str, int | float]:
 
 
 def preloads(config: pytest.Config) -> list[str]:
-    """The modules earlier runs' tests imported that their boots had not."""
+    """The modules earlier runs' tests imported that their boots had not (those that
+    pass ``check_modules``)."""
+    return cached_modules(config, CACHE_PRELOADS)
+
+
+def template_modules(config: pytest.Config) -> list[str]:
+    """The library modules the last run's template imported (those that pass
+    ``check_modules``)."""
+    return cached_modules(config, CACHE_TEMPLATE_MODULES)
+
+
+def cached_modules(config: pytest.Config, key: str) -> list[str]:
+    """The modules the cache's ``key`` names that a template may import."""
     cache = getattr(config, "cache", None)
-    stored = cache.get(CACHE_PRELOADS, []) if cache is not None else []
+    stored = cache.get(key, []) if cache is not None else []
+    return check_modules(stored, Path(config.rootpath).resolve())[0]
+
+
+def check_cache(config: pytest.Config) -> tuple[list[str], set[str]]:
+    """The learned preloads a template may import, and the names of the cache's lists
+    of modules to import that no template may: those are dropped from the cache, and
+    the run says so once.
+
+    The cache is a file in the project that anything may have written (an older
+    spawnrun, another branch's run, a hand): what it names is a guess, imported only
+    where it is an installed library (``check_modules``).
+    """
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return [], set()
+    rootdir = Path(config.rootpath).resolve()
+    rejected: set[str] = set()
+    listed = []
+    learned: list[str] = []
+    # Under xdist the first worker speaks and writes for the run (each checks).
+    speaks = os.environ.get("PYTEST_XDIST_WORKER", "gw0") in ("", "gw0")
+    for key in (CACHE_PRELOADS, CACHE_TEMPLATE_MODULES):
+        kept, dropped = check_modules(cache.get(key, []), rootdir)
+        if key == CACHE_PRELOADS:
+            learned = kept
+        if not dropped:
+            continue
+        rejected.update(dropped)
+        listed.append(listing(key, dropped))
+        if speaks:
+            with contextlib.suppress(Exception):  # a read-only cache: checked next time
+                cache.set(key, kept)
+    if listed and speaks:
+        text = DROPPED.format(dropped="; ".join(listed))
+        _reports.record_warning(config, _reports.warning(text), "")
+    return learned, rejected
+
+
+def listing(key: str, dropped: Mapping[str, str]) -> str:
+    """What the warning says of one key: each name dropped and why."""
+    names = [f"{name} ({why})" for name, why in dropped.items()]
+    more = len(names) - MAX_LISTED
+    return f"{key}: " + ", ".join(names[:MAX_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+def check_modules(
+    stored: object, rootdir: Path, limit: int = MAX_PRELOADS
+) -> tuple[list[str], dict[str, str]]:
+    """The names of ``stored`` that a template may import, in order, and why each other
+    one may not (keyed by the name, or its ``repr`` where it is no module name).
+
+    A list of dotted identifiers, at most ``limit``, each of a top-level package that is
+    found outside the rootdir without running any of its code (``_libraries.origins``),
+    and that is not the standard library, pytest or spawnrun: what a child would have
+    reported (``_libraries.is_library``). Never a module of the suite or the project.
+    """
     if not isinstance(stored, list):
-        return []
-    return [str(m) for m in stored if isinstance(m, str) and m][:MAX_PRELOADS]
+        return [], {_short(repr(stored)): NOT_A_LIST}
+    kept: list[str] = []
+    dropped: dict[str, str] = {}
+    tops: dict[str, str] = {}  # top-level name -> why not ("": it may be imported)
+    for name in stored:
+        if not is_module_name(name):
+            dropped[_shown(name)] = NOT_A_NAME
+            continue
+        assert isinstance(name, str)
+        top = name.partition(".")[0]
+        if top not in tops:
+            tops[top] = _why_not(top, rootdir)
+        if tops[top]:
+            dropped[name] = tops[top]
+        elif len(kept) >= limit:
+            dropped[name] = TOO_MANY
+        else:
+            kept.append(name)
+    return kept, dropped
+
+
+def is_module_name(name: object) -> bool:
+    """Whether ``name`` is a dotted name of identifiers (``a.b_c``), none a keyword."""
+    if not isinstance(name, str) or not name or len(name) > MAX_NAME:
+        return False
+    return all(part.isidentifier() and not keyword.iskeyword(part) for part in name.split("."))
+
+
+def _why_not(top: str, rootdir: Path) -> str:
+    if _libraries.never_library(top):
+        return NOT_A_LIBRARY
+    found = _libraries.origins(top)
+    if found is None:
+        return NOT_INSTALLED
+    return "" if _libraries.outside(found, rootdir) else IN_ROOTDIR
+
+
+def _shown(value: object) -> str:
+    """A name as the warning lists it: itself, or its ``repr`` where it is no name."""
+    return str(value) if is_module_name(value) else _short(repr(value))
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def forget(config: pytest.Config, tops: Collection[str]) -> None:
+    """Drop the modules of the top-level packages ``tops`` from the cache's lists."""
+    cache = getattr(config, "cache", None)
+    if cache is None or not tops:
+        return
+    for key in (CACHE_PRELOADS, CACHE_TEMPLATE_MODULES):
+        stored = cache.get(key, [])
+        if not isinstance(stored, list):
+            continue
+        kept = [m for m in stored if not (isinstance(m, str) and m.partition(".")[0] in tops)]
+        if kept != stored:
+            with contextlib.suppress(Exception):  # a read-only cache
+                cache.set(key, kept)
 
 
 def saw_imports(config: pytest.Config, modules: list[str]) -> None:

@@ -10,6 +10,7 @@ preload, the project's own packages there (``project_dirs``: timm's ``timm/`` be
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from collections.abc import Set
@@ -98,6 +99,44 @@ def _real(filename: str) -> str | None:
 
 
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
+#: Top-level names that are never a library to preload, wherever they are found.
+NOT_LIBRARIES = frozenset({"spawnrun", "__main__", "conftest", "pytest", "_pytest"})
+
+
+def never_library(top: str) -> bool:
+    """Whether top-level name ``top`` is the standard library, pytest or spawnrun."""
+    return top in _STDLIB or top in NOT_LIBRARIES or top in sys.builtin_module_names
+
+
+def origins(top: str) -> list[str] | None:
+    """Where top-level module ``top``'s code comes from, resolved: its file, or a
+    namespace package's folders (None: it is not found, or not from files).
+
+    Found without running any of its code: only a top-level name is looked up (finding
+    ``a.b`` would import ``a``), and the finders on ``sys.meta_path`` only locate it.
+    """
+    module = sys.modules.get(top)
+    if module is not None:
+        filename = getattr(module, "__file__", None)
+        folders = getattr(module, "__path__", None)
+    else:
+        try:
+            spec = importlib.util.find_spec(top)
+        except Exception:  # noqa: BLE001 - any finder's failure: not found
+            return None
+        if spec is None:
+            return None
+        filename = spec.origin if spec.has_location else None
+        folders = spec.submodule_search_locations
+    paths = [filename] if isinstance(filename, str) else list(folders or [])
+    found = [_real(p) for p in paths if isinstance(p, str) and os.path.isabs(p)]
+    real = [p for p in found if p is not None]
+    return real if real and len(real) == len(paths) else None
+
+
+def outside(paths: list[str], rootdir: Path) -> bool:
+    """Whether none of ``paths`` (resolved) lies below ``rootdir`` (resolved)."""
+    return not any(_inside(p, str(rootdir)) for p in paths)
 
 
 def is_library(module: Any, rootdir: Path, project: tuple[Path, ...] = ()) -> bool:

@@ -341,6 +341,20 @@ class Preload:
     modules: list[str]
     path: list[str] | None = None
     rewrite: Rewrite | None = None
+    #: Only pytest's cache named these (learned preloads): the template says when it
+    #: starts each package (``Importing``), and the parent gives up on one that takes
+    #: too long.
+    learned: bool = False
+
+
+@dataclass(frozen=True)
+class Importing:
+    """The template starts importing top-level package ``top`` of a learned ``Preload``
+    at ``at`` (``time.monotonic()``: one clock for every process of the machine); ""
+    when it is done with them."""
+
+    top: str
+    at: float
 
 
 @dataclass(frozen=True)
@@ -361,6 +375,9 @@ class ZygoteReady:
     #: elsewhere first on the parent's ``sys.path``, or marked for rewriting since): the
     #: parent builds a template from scratch.
     stale: str = ""
+    #: Set by the parent, never sent: it gave up on the template while it imported the
+    #: learned preload ``culprit`` (``_forkserver.LEARNED_LIMIT``).
+    slow: bool = False
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import gc
 import importlib
 import os
 import sys
+import time
 import traceback
 import types
 from collections.abc import Iterator
@@ -140,13 +141,15 @@ class _Template:
         #: Templates that configured pytest once; their forks are tests' children too.
         self.pool = _configured.Pool()
 
-    def load(self, modules: list[str]) -> None:
+    def load(self, modules: list[str], learned: bool = False) -> None:
         """Import ``modules`` in order, checking safety after each top-level package.
 
         The first package after whose import forking became unsafe is named as the
         culprit (the parent may then build a template without it); nothing after it
         is imported. What the imports read of the environment is noted
-        (``_environ``): each fork is checked against it.
+        (``_environ``): each fork is checked against it. ``learned``: the parent hears
+        when each package starts, and when all are done, so that it can give up on an
+        import that blocks.
         """
         failed: list[str] = []
         groups: dict[str, list[str]] = {}
@@ -154,7 +157,9 @@ class _Template:
             groups.setdefault(name.partition(".")[0], []).append(name)
         with _rewriting(self.rewriter), _openmp_waits_passively(), _collector_paused():
             with _environ.observing():
-                imported, culprit, suspects = self._import(groups, failed)
+                imported, culprit, suspects = self._import(groups, failed, learned)
+            if learned:
+                self.conn.send(proto.Importing("", time.monotonic()))
             _metadata.snapshot()  # each fork's pytest reads the installed packages from it
             # The garbage the imports left (cycles holding files, say) is collected once,
             # here, not at every threshold along the way (``_collector_paused``). What is
@@ -168,7 +173,7 @@ class _Template:
         self.conn.send(proto.ZygoteReady(os.getpid(), self.refusal, culprit, failed, suspects))
 
     def _import(
-        self, groups: dict[str, list[str]], failed: list[str]
+        self, groups: dict[str, list[str]], failed: list[str], learned: bool
     ) -> tuple[bool, str, list[str]]:
         """Import each package's modules; (whether any was imported, the culprit, the
         suspects: the packages imported with the one that made forking unsafe)."""
@@ -180,6 +185,8 @@ class _Template:
             if not names:
                 continue  # imported already: nothing to check again
             imported = True
+            if learned:
+                self.conn.send(proto.Importing(top, time.monotonic()))
             before = {m.partition(".")[0] for m in sys.modules}
             for name in names:
                 try:
@@ -240,7 +247,7 @@ class _Template:
                 if stale:
                     self.conn.send(proto.ZygoteReady(os.getpid(), stale=stale))
                 else:
-                    self.load(request.modules)
+                    self.load(request.modules, request.learned)
             elif isinstance(request, proto.Prime):
                 if not self.refusal:
                     self.pool.prime(request.request, lambda r: self._configure(r, []), request.wait)
