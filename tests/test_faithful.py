@@ -124,24 +124,40 @@ def test_ids_drawn_from_a_stream_seeded_at_configure_are_found_in_forks(
         result.stdout.no_fnmatch_line("*INTERNALERROR*")
 
 
+@pytest.mark.parametrize("where", ["project-package", "library-under-outer-mask"])
 def test_a_package_that_reads_the_device_mask_at_import_sees_the_tests_own(
     pytester: pytest.Pytester,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
 ) -> None:
-    """The project's package, preloaded by the template, read no mask there: its tests
-    are spawned, and the next run's template leaves it out (its forks import it)."""
-    pytester.makeini("[pytest]\npythonpath = .\n")
-    pytester.mkpydir("proj").joinpath("__init__.py").write_text(
-        "import os\nMASK = os.environ.get('CUDA_VISIBLE_DEVICES')\n"
-    )
-    pytester.mkdir("tests").joinpath("test_mask.py").write_text(
+    """A package the template imported (the project's own, preloaded; a library the
+    test file imports, under an outer ``CUDA_VISIBLE_DEVICES=0,1``) read another mask
+    there than its test has: its tests are spawned, and the next run's template leaves it
+    out (its forks import it)."""
+    reader = "import os\nMASK = os.environ.get('CUDA_VISIBLE_DEVICES')\n"
+    args: tuple[str, ...] = FAST
+    if where == "project-package":
+        pytester.makeini("[pytest]\npythonpath = .\n")
+        pytester.mkpydir("proj").joinpath("__init__.py").write_text(reader)
+        tests = pytester.mkdir("tests")
+        args += ("--spawn-gpus", "2")
+    else:
+        site = tmp_path_factory.mktemp("site")
+        (site / "proj").mkdir()
+        (site / "proj" / "__init__.py").write_text(reader)
+        monkeypatch.setenv("PYTHONPATH", str(site))
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+        tests = pytester.path
+    tests.joinpath("test_mask.py").write_text(
         "import os, pytest\nimport proj\n"
         "@pytest.mark.gpu\n@pytest.mark.parametrize('i', range(4))\n"
         "def test_mask(i):\n    assert proj.MASK == os.environ['CUDA_VISIBLE_DEVICES']\n"
     )
-    first = pytester.runpytest_subprocess(*FAST, "--spawn-gpus", "2")
+    first = pytester.runpytest_subprocess(*args)
     first.assert_outcomes(passed=4)
     first.stdout.fnmatch_lines(["*spawned, not forked: proj read CUDA_VISIBLE_DEVICES at import*"])
-    second = pytester.runpytest_subprocess(*FAST, "--spawn-gpus", "2")
+    second = pytester.runpytest_subprocess(*args)
     second.assert_outcomes(passed=4, warnings=1)
     second.stdout.fnmatch_lines(["*forkserver leaves proj out of its template*"])
     second.stdout.no_fnmatch_line("*spawned, not forked*")
