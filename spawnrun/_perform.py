@@ -22,6 +22,7 @@ from spawnrun import _starting
 from spawnrun._jobs import LISTENING
 from spawnrun._jobs import Job
 from spawnrun._jobs import State
+from spawnrun._reports import OUT_OF_ORDER
 from spawnrun._reports import STOPPED
 from spawnrun._units import Unit
 from spawnrun._units import Units
@@ -98,7 +99,7 @@ class Performer(Units):
             elif isinstance(action, ev.Report):
                 self._report(action)
             elif isinstance(action, ev.Again):
-                self._again_alone(action.test)
+                self._again_alone(action.test, action.order)
             elif isinstance(action, ev.Drop):
                 self._drop_test(action.test)
             elif isinstance(action, ev.Warn):
@@ -106,18 +107,21 @@ class Performer(Units):
             elif isinstance(action, ev.Interrupt):
                 self._interrupt()
 
-    def _again_alone(self, nodeid: str) -> None:
+    def _again_alone(self, nodeid: str, order: bool = False) -> None:
         """The test runs again, alone: a fresh job, whose reports are the ones replayed.
 
         The first run's job still ends its child (its reports are never replayed, and it
         is not counted as a test); its turn (what the parent's environment and teardown
         were when pytest reached the test) carries over. A template's test runs again in
         a child of its own (the template's forks run with its budget), and the template
-        goes on with its next test."""
+        goes on with its next test. ``order``: it failed after it ran out of pytest's
+        order; it runs again (alone, spawned) once the tests before it have ended."""
         old = self.by_id.pop(nodeid, None)
         item, plan = self.items[nodeid]
         guess = plan.budget_source if plan.learned else "a neighbour's learned budget"
         why = f"ran again alone: it failed on a guessed budget ({guess})"
+        if order:
+            why = f"ran again alone, in its order: it failed after it {OUT_OF_ORDER}"
         self.items[nodeid] = (
             item,
             replace(
@@ -129,7 +133,7 @@ class Performer(Units):
                 scope=_packing.shared_scope(plan.scope),
             ),
         )
-        self.again.append(nodeid)
+        (self.out_of_order if order else self.again).append(nodeid)
         new = self._job_of(nodeid)
         if old is not None:
             old.turned = False

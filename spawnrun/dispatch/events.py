@@ -155,6 +155,9 @@ class Done(Event):
     child waits for its scope's next test (False: it exits by itself); ``again``: it
     failed where a guess of the run's may be to blame (a learned budget, its own or a
     neighbour's): it runs again, alone, once (``Again``), and that run's reports count.
+    ``failed``: one of its reports failed (a test that ran out of its order runs again
+    after the tests before it; a failure may stop the session, so ``Settings.ordered``
+    replays nothing after it until the driver has told whether it did).
     """
 
     child: int
@@ -163,6 +166,7 @@ class Done(Event):
     poisoned: bool = False
     more: bool = True
     again: bool = False
+    failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -311,9 +315,12 @@ class Report(Action):
 @dataclass(frozen=True)
 class Again(Action):
     """The test runs again, alone on its devices: its reports so far are not replayed;
-    those of its next child are (its ``Replay`` comes then)."""
+    those of its next child are (its ``Replay`` comes then). ``order``: it failed after
+    it ran out of its collection order (backfilled, or past a gathered test): it runs
+    again once every test before it has ended."""
 
     test: str
+    order: bool = False
 
 
 @dataclass(frozen=True)
@@ -352,7 +359,10 @@ class Settings:
     wait in the queue past a head that waits for devices (0: pytest waits at the head, and
     nothing is backfilled); ``gather``: how many tests that need their devices alone may
     wait, passed over while their devices are busy, so that one drain serves them
-    together (0: each drains its devices at its turn).
+    together (0: each drains its devices at its turn); ``ordered``: a failure may stop
+    the session (``-x``, ``--maxfail``, ``--stepwise``), so tests end to pytest in
+    submission order, and nothing is replayed after a failure in the same batch (the
+    driver tells ``Stop`` first, if it stopped the session).
     """
 
     devices: tuple[str, ...] = ("0",)
@@ -371,3 +381,4 @@ class Settings:
     boots: tuple[tuple[str, str], ...] = ()
     backfill: int = 0
     gather: int = 0
+    ordered: bool = False
