@@ -89,13 +89,17 @@ def test_d_passes():
 """
 
 
-@pytest.mark.parametrize("sw", ["--sw", "--sw-skip"])
-def test_stepwise_records_what_plain_pytest_reaches(pytester, sw):
+@pytest.mark.parametrize(
+    "sw, method",
+    [("--sw", "spawn"), ("--sw-skip", "spawn"), ("--sw", "forkserver")],
+)
+def test_stepwise_records_what_plain_pytest_reaches(pytester, sw, method):
     """``--sw`` stopped at, and recorded, a later test that failed first in its child, and
     the earlier one reported too; the next ``--lf`` ran both. Now the tests end to pytest
-    in its order, and nothing after the stopping test is reported or recorded."""
+    in its order, and nothing after the stopping test is reported or recorded; in fast
+    mode too (a file template's forks)."""
     pytester.makepyfile(test_steps=STEPWISE)
-    args = ["-rA", "--spawn-jobs", "3"]
+    args = ["-rA", "--spawn-jobs", "3", "--spawn-method", method]
     runs = {}
     for mode in ([NO_SPAWN], []):
         first = pytester.runpytest_subprocess(*args, sw, "--cache-clear", *mode)
