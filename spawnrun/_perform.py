@@ -23,6 +23,7 @@ from spawnrun import _unforked
 from spawnrun._jobs import LISTENING
 from spawnrun._jobs import Job
 from spawnrun._jobs import State
+from spawnrun._reports import OUT_OF_ORDER
 from spawnrun._reports import STOPPED
 from spawnrun._units import Unit
 from spawnrun._units import Units
@@ -99,7 +100,7 @@ class Performer(Units):
             elif isinstance(action, ev.Report):
                 self._report(action)
             elif isinstance(action, ev.Again):
-                self._again_alone(action.test, action.alone)
+                self._again_alone(action.test, action.alone, action.order)
             elif isinstance(action, ev.Drop):
                 self._drop_test(action.test)
             elif isinstance(action, ev.Warn):
@@ -107,25 +108,28 @@ class Performer(Units):
             elif isinstance(action, ev.Interrupt):
                 self._interrupt()
 
-    def _again_alone(self, nodeid: str, alone: bool = True) -> None:
+    def _again_alone(self, nodeid: str, alone: bool = True, order: bool = False) -> None:
         """The test runs again: a fresh job, whose reports are the ones replayed.
 
-        ``alone``: it failed on a learned budget (its own or a neighbour's), and runs
-        with none; else its fork's outcome was in doubt, and it runs spawned, not forked,
-        with its own need. The first run's job still ends its child (its reports are
-        never replayed, and it is not counted as a test); its turn (what the parent's
-        environment and teardown were when pytest reached the test) carries over. A
-        template's test runs again in a child of its own, and the template goes on with
-        its next test."""
+        ``alone``: it failed on a learned budget (its own or a neighbour's), or after it
+        ran out of pytest's order (``order``: it runs again once the tests before it have
+        ended), and runs alone, with no budget; else its fork's outcome was in doubt, and
+        it runs spawned, not forked, with its own need. The first run's job still ends
+        its child (its reports are never replayed, and it is not counted as a test); its
+        turn (what the parent's environment and teardown were when pytest reached the
+        test) carries over. A template's test runs again in a child of its own, and the
+        template goes on with its next test."""
         old = self.by_id.pop(nodeid, None)
         item, plan = self.items[nodeid]
         forked = old is not None and old.forked
         unforked = (old.doubt or _unforked.FAILED_IN_FORK) if old and forked else plan.unforked
         scope = _packing.shared_scope(plan.scope)
-        if alone:
+        if alone or order:
             guess = plan.budget_source if plan.learned else "a neighbour's learned budget"
             why = f"ran again alone: it failed on a guessed budget ({guess})"
-            self.again.append(nodeid)
+            if order:
+                why = f"ran again alone, in its order: it failed after it {OUT_OF_ORDER}"
+            (self.out_of_order if order else self.again).append(nodeid)
             plan = replace(
                 plan, need=_packing.ALONE, alone_because=why, budget_source="", learned=False
             )

@@ -209,3 +209,7 @@ REPLACED_TITLE = "spawnrun: child replaced"
 STOPPED = (
     "spawnrun: stopped while running, because the session stopped (-x, --maxfail or an interrupt)"
 )
+
+#: Why a test's first failure did not count: it started before a test pytest reached
+#: first (backfilled while that one waited for its devices, or past a gathered test).
+OUT_OF_ORDER = "ran out of order (backfilled, or past a test waiting for its devices alone)"

@@ -12,6 +12,7 @@ from spawnrun import _early
 from spawnrun import _packing
 from spawnrun._jobs import Job
 from spawnrun._reports import NOT_A_TEMPLATE
+from spawnrun._reports import OUT_OF_ORDER
 from spawnrun._reports import REPLACED_TITLE
 
 
@@ -38,6 +39,8 @@ class Summary:
         self.replaced = 0
         #: Tests that failed on a guessed budget and ran again alone (``Done.again``).
         self.again: list[str] = []
+        #: Tests that failed after they ran out of pytest's order and ran again in it.
+        self.out_of_order: list[str] = []
         #: The pids of templates that forked, and how many tests ran in their forks.
         self.templates: set[int] = set()
         self.forks = 0
@@ -143,6 +146,13 @@ class Summary:
                 f"{_plural(len(self.again), 'test')} failed on a learned budget, or beside "
                 "one, and ran again alone (the second run's outcome counts; its peak is "
                 f"recorded): {shown}"
+            )
+        if self.out_of_order:
+            shown = ", ".join(self.out_of_order[:10])
+            shown += " ..." if len(self.out_of_order) > 10 else ""
+            lines.append(
+                f"{_plural(len(self.out_of_order), 'test')} {OUT_OF_ORDER}, failed, and ran "
+                f"again alone after the tests before it (the second run's outcome counts): {shown}"
             )
         if self.peaks:
             lines.append("peak GPU memory per test (torch's caching allocator, reserved):")

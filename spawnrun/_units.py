@@ -141,6 +141,7 @@ class Units(Loop):
                     boots=_boots.load(self.config) if self.config is not None else (),
                     backfill=self.backfill(),
                     gather=self.gather(),
+                    ordered=self.stops(),
                 )
             )
         return self._core
@@ -165,6 +166,16 @@ class Units(Loop):
         if getattr(option, "maxfail", 0) or getattr(option, "stepwise", False):
             return 0
         return max(GATHER, 2 * self.limit)
+
+    def stops(self) -> bool:
+        """Whether a failure may stop the session (``-x``, ``--maxfail``, ``--stepwise``,
+        ``--sw-skip``): then what pytest reports must be what in-process pytest would,
+        in its order, so spawned tests end to pytest in its order (``Settings.ordered``)
+        and an in-process test waits for the spawned tests before it (``before_here``)."""
+        if self.config is None:
+            return False
+        option = self.config.option
+        return bool(getattr(option, "maxfail", 0) or getattr(option, "stepwise", False))
 
     def _may_defer(self) -> bool:
         """Whether children may boot unclaimed: not under xdist (a claim is the ledger's
@@ -235,7 +246,10 @@ class Units(Loop):
                     again = self._again(job)
                     alone = again and self._budget_guess(job)
                     nodeid = job.item.nodeid
-                    done = ev.Done(now, cid, nodeid, interrupt, poisoned, more, again, alone)
+                    failed = any(r.failed for r in job.replay.reports)
+                    done = ev.Done(
+                        now, cid, nodeid, interrupt, poisoned, more, again, alone, failed
+                    )
                     out.append(done)
                 else:
                     unit.exited = True

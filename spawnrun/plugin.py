@@ -529,6 +529,13 @@ def _runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool |
         if not _skipped_statically(item):
             _heap.ran_here(config)
         scheduler.reached(nextitem)  # replay children that ended meanwhile
+        if scheduler.pending and scheduler.stops():
+            # A failure may stop the session: as in-process, this test runs only once
+            # the spawned tests before it have reported, and not at all if one of them
+            # stopped the session (pytest would never have reached it).
+            scheduler.drain()
+            if item.session.shouldfail or item.session.shouldstop:
+                return True
         return None
     if not config.stash.get(NO_PROC_KEY, False) and not _probe.proc_mounted():
         config.stash[NO_PROC_KEY] = True

@@ -691,3 +691,63 @@ def test_tests_that_keep_several_cores_busy_take_as_many_job_slots() -> None:
     assert not beside("heavy0", "heavy1")
     assert len({went[f"light{i}"] for i in range(4)}) < 4  # light ones ran side by side
     assert [t for t in went if t != "huge" and beside(t, "huge")] == []
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_a_stop_reports_nothing_that_pytest_would_not_reach(ordered: bool) -> None:
+    """Issue 43: with recorded durations, short tests ran (backfilled) while the
+    exclusive test before them waited for the long one; one failed first, and ``-x``
+    stopped after it, then reported the exclusive test's failure too ("stopping after 2
+    failures"). In-process, the exclusive test fails and stops the session: nothing after
+    it is reached. The backfilled failure now runs again in its order (it never does: the
+    session stopped before it); ordered (``Settings.ordered``, as the driver sets it under
+    ``-x``), the tests end to pytest in its order, so the stop comes at the exclusive test
+    and what ended after it is dropped; the world checks nothing is told after the stop."""
+    specs = _drain_behind_a_long_test(recorded=True)
+    specs[1] = replace(specs[1], fate="fail")  # the exclusive test
+    specs[2] = replace(specs[2], fate="fail")  # short0, backfilled
+    world = World(_settings(backfill=4, ordered=ordered), specs, maxfail=1)
+    result = world.run()
+    if not ordered:  # the rule taken out: tests pytest never reaches are reported
+        assert result.ends["short1"] == ["replay"]
+        return
+    assert result.dispatcher.stopped_after == "exclusive"
+    assert world.failures == 1
+    assert result.ends == {
+        "long": ["replay"],
+        "exclusive": ["replay"],
+        **{f"short{i}": ["drop"] for i in range(4)},
+    }
+
+
+@pytest.mark.parametrize("gather", [32, 0])
+def test_a_test_that_ran_out_of_order_and_failed_runs_again_after_those_before_it(
+    gather: int,
+) -> None:
+    """Issue 43: an order-dependent suite (the third test reads what the exclusive one
+    before it writes). Gathering passed over the exclusive test while the long one held
+    the device, the reader ran first and failed. A test that ran out of its order and
+    failed runs again once every test before it has ended (spawned, alone), and only that
+    run counts; without gathering nothing runs out of order and nothing runs again."""
+
+    def test(tid: str, need: int | None, seconds: float, first: str = "") -> Spec:
+        plan = ev.Test(tid, need=need, file="f.py")
+        return Spec(plan, duration=seconds, needs_first=first)
+
+    specs = [
+        test("long", 2 * GiB, 3.0),
+        test("exclusive", None, 0.5),
+        test("reader", 2 * GiB, 0.2, first="exclusive"),
+        test("after", 2 * GiB, 0.2),
+    ]
+    world = World(_settings(gather=gather), specs)
+    result = world.run()
+    assert result.stuck == [] and world.failures == 0
+    assert set(result.ends) == {s.test.id for s in specs}
+    if not gather:
+        assert world.agains == []
+        return
+    assert world.in_order == ["reader"]
+    # Its counted run started after every test before it had ended, alone.
+    assert world.went["reader"] >= world.went["exclusive"] + 0.5
+    assert world.needs["reader"] is None

@@ -74,19 +74,29 @@ class Dispatcher(Ends):
         stop the session: ``Stop``) before it asks ``step`` what to start next.
         """
         self.out = []
+        self.paused = False  # a stop that the failure told last caused is among them
         for event in events:
             self.now = max(self.now, event.now)
             self._on(event)
-        if self.interrupting and not self.interrupt_told and not self.earlier_running():
-            self.interrupt_told = True
-            self.emit(ev.Interrupt(self.interrupting))
+        self._tell()
         out, self.out = self.out, []
         return out
+
+    def _tell(self) -> None:
+        """What ended, in order where it must be (``Settings.ordered``); then an
+        interrupt, once the tests pytest reached before its test have been told."""
+        if self.settings.ordered:
+            self.tell()
+        if self.interrupting and not self.interrupt_told and not self.earlier_running():
+            if self.interrupting not in self.held:
+                self.interrupt_told = True
+                self.emit(ev.Interrupt(self.interrupting))
 
     def step(self) -> list[ev.Action]:
         """The decisions: what starts, runs, is dismissed, or is reported stuck now."""
         self.out = []
         self._schedule()
+        self._tell()
         out, self.out = self.out, []
         return out
 
@@ -178,6 +188,8 @@ class Dispatcher(Ends):
                 entry.passed = True  # pytest goes on; it runs once its devices are empty
                 continue
             placed = self._place(entry)
+            if placed == "started":
+                entry.overtook = entry.overtook or self._overtakes(tid)
             if placed in ("started", "ended"):
                 if tid in self.queue:
                     self.queue.remove(tid)
@@ -200,14 +212,24 @@ class Dispatcher(Ends):
             return None
         gatherable = [self._gatherable(self.tests[t]) for t in self.queue]
         alone = sum(gatherable)
-        if alone > self.settings.gather or (self.last and alone == len(self.queue)):
+        held = [self._held_back(self.tests[t]) for t in self.queue]
+        waits = sum(g or h for g, h in zip(gatherable, held, strict=True))
+        if alone > self.settings.gather or (self.last and waits == len(self.queue)):
             return None
         others, behind = 0, []
-        for tid, gathered in zip(reversed(self.queue), reversed(gatherable), strict=True):
+        for tid, gathered, back in zip(
+            reversed(self.queue), reversed(gatherable), reversed(held), strict=True
+        ):
             behind.append(others)
-            others += not (gathered or self.tests[tid].test.scope)
+            others += not (gathered or back or self.tests[tid].test.scope)
         behind.reverse()
         return behind
+
+    def _held_back(self, entry: Entry) -> bool:
+        """A test that waits for the tests before it (``Settings.ordered``: one of them
+        failed and waits to be told; or it runs again in its order): it starts nothing
+        by itself, so no gathered test before it waits for it."""
+        return entry.in_order or (self.settings.ordered and self._failure_held_before(entry))
 
     def _gatherable(self, entry: Entry) -> bool:
         test = entry.test
@@ -237,10 +259,49 @@ class Dispatcher(Ends):
         if others_wait:
             return True
         among = self.bound_to(entry.test)
-        return self.choose(entry.test, among=among) is None
+        # Idle children booted for tests held back (``_held_back``) wait for this one to
+        # end: they count as gone (it becomes the head, which has them dismissed).
+        idle = {c.id for c in self.live_children() if self._idle_for_held(c, entry.test)}
+        return self.choose(entry.test, among=among, without=idle) is None
+
+    def _idle_for_held(self, child: Child, test: ev.Test) -> bool:
+        """An idle child (booted ahead, or a scope's between tests) whose next test is
+        held back."""
+        waits_for = child.test or (child.members[0] if child.members else "")
+        mine = self.tests.get(waits_for) if waits_for else None
+        return mine is not None and self._held_back(mine) and self.idle_holder(child, test)
+
+    def _overtakes(self, test: str) -> bool:
+        """Whether a test that starts now passes one submitted before it that waits,
+        passed over (gathered, or a head that backfilling went past): it runs out of
+        pytest's order."""
+        at = self.queue.index(test) if test in self.queue else len(self.queue)
+        return any(self.tests[t].passed for t in self.queue[:at])
+
+    def _failure_held_before(self, entry: Entry) -> bool:
+        """Whether a test submitted before this one failed and waits to be told."""
+        if not self.held:
+            return False
+        tid = entry.test.id  # (one pytest has not reached yet comes after them all)
+        at = self.submitted.index(tid) if tid in self.submitted else len(self.submitted)
+        return any(self._fails(t, a) and self.submitted.index(t) < at for t, a in self.held.items())
+
+    def _ended_before(self, entry: Entry) -> bool:
+        """Whether every test submitted before this one has ended."""
+        at = self.submitted.index(entry.test.id)
+        return all(self.tests[t].phase is Phase.ENDED for t in self.submitted[:at])
 
     def _place(self, entry: Entry) -> Placed:
         test = entry.test
+        if self.settings.ordered and self._failure_held_before(entry):
+            # A failure before it waits for its turn to be told, and may stop the
+            # session there: in-process, pytest would not reach this test.
+            return "behind"
+        if entry.in_order and not self._ended_before(entry):
+            # It ran out of order and failed: it runs again in its place, once the
+            # tests before it have ended. It holds up nobody meanwhile (gathered tests
+            # before it may wait for the tests after it).
+            return "behind"
         if entry.failed_ahead:  # its child, booted while it waited for a slot, died
             self.end(entry, ev.Report(test.id, Outcome.START_FAILED, entry.failed_ahead))
             return "ended"
@@ -335,7 +396,9 @@ class Dispatcher(Ends):
                 continue
             if not self.slot_for(entry.test):
                 continue
-            if self._place(entry) in ("started", "ended") and tid in self.queue:
+            placed = self._place(entry)
+            entry.overtook = entry.overtook or placed == "started"
+            if placed in ("started", "ended") and tid in self.queue:
                 self.queue.remove(tid)
             # A test backfilled is passed too: what comes after it may reach the queue.
             entry.passed = entry.passed or len(self.queue) <= self.settings.backfill
@@ -380,6 +443,8 @@ class Dispatcher(Ends):
                 continue
             if self.child_for(test) is not None or self.tests[test.id].failed_ahead:
                 continue
+            if test.id in self.queue and self._held_back(self.tests[test.id]):
+                continue  # it waits for the tests before it: its child would only hold
             if test.scope and not self.first_of_scope(test):
                 continue
             kind = Kind.SCOPE if test.scope else Kind.SPAWN

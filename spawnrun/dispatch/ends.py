@@ -62,12 +62,19 @@ class Ends(Run):
         if child.state is not State.RUNNING or child.test != event.test:
             return  # it was stopped or timed out meanwhile: that report stands
         entry = self.tests[event.test]
-        again = event.again and not entry.again and not self.stopping
+        entry.failed = event.failed
+        # A failure of a test that ran out of pytest's order (backfilled, or past a
+        # gathered test) counts once it fails again after the tests before it.
+        order = event.failed and entry.overtook and (not child.scope or entry.test.forked)
+        again = (event.again or order) and not entry.again and not self.stopping
+        if again and order:
+            entry.in_order, entry.overtook = True, False
+        alone = event.alone or order
         if again and not child.scope:
-            self._again(child, entry, event.alone)
+            self._again(child, entry, alone)
             return
         if again and entry.test.forked:
-            self._again_apart(entry, event.alone)  # the scope's child goes on
+            self._again_apart(entry, alone)  # the scope's child goes on
         else:
             self.end(entry, ev.Replay(event.test))
         if event.interrupt:
@@ -103,7 +110,7 @@ class Ends(Run):
         entry.phase, entry.child = Phase.WAITING, 0
         self.queue.append(entry.test.id)
         self.queue.sort(key=self.submitted.index)
-        self.emit(ev.Again(entry.test.id, alone))
+        self.emit(ev.Again(entry.test.id, alone, order=entry.in_order))
 
     def _exited(self, child: Child, code: int) -> None:
         state = child.state
@@ -238,15 +245,22 @@ class Ends(Run):
         other waiting test is dropped, running ones are killed (reported as stopped, or
         with no report after an interrupt), idle children dismissed so their teardown
         runs. ``after`` "": nothing goes on (an interrupt of the parent)."""
-        if self.stopping:
+        if self.stopping and not self._narrows(after):
             return
-        self.stopping = reason
+        self.stopping = self.stopping or reason
         self.stopped_after = after if after in self.submitted else ""
-        at = self.submitted.index(self.stopped_after) + 1 if self.stopped_after else 0
-        later = set(self.submitted[at:])
+        if self.interrupting and self.interrupting in self._after(self.stopped_after):
+            self.interrupting = ""  # pytest would not have reached the interrupting test
+        later = self._after(self.stopped_after)
         for tid in [t for t in self.queue if t in later]:
             self.queue.remove(tid)
             self.end(self.tests[tid], ev.Drop(tid))
+        if self.settings.ordered:
+            # As in-process: pytest never reached them, so they report nothing (what
+            # ended already, waiting for its turn to be told, is dropped too).
+            report = False
+            for tid in [t for t in self.held if t in later]:
+                self.held[tid] = ev.Drop(tid)
         for child in self.live_children():
             entry = self.tests.get(child.test) if child.test else None
             if entry is not None and entry.phase is Phase.ENDED:
@@ -266,6 +280,23 @@ class Ends(Run):
                 self.dismiss(child)
             elif child.state is State.BETWEEN and not set(child.members[:1]) & set(self.queue):
                 self.dismiss(child)
+
+    def _after(self, test: str) -> set[str]:
+        """The tests pytest reached after ``test`` (all of them: ``test`` "")."""
+        at = self.submitted.index(test) + 1 if test else 0
+        return set(self.submitted[at:])
+
+    def _narrows(self, after: str) -> bool:
+        """``Settings.ordered``: a stop told after a test's interrupt stopped the session
+        (``pytest.exit``), for a failure of a test before it: in-process, that failure
+        stopped the session first, so the stop holds from there (the interrupting test
+        was never reached). Its ``Interrupt`` is not told yet: it waits for the tests
+        before it to be told."""
+        if not self.settings.ordered or not self.stopped_after or after not in self.submitted:
+            return False
+        if self.interrupt_told:
+            return False
+        return self.submitted.index(after) < self.submitted.index(self.stopped_after)
 
     def _dismiss_unneeded(self) -> None:
         """Idle children whose next test cannot come any more are dismissed (once

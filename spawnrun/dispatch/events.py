@@ -156,7 +156,10 @@ class Done(Event):
     failed where a guess of the run's may be to blame (a learned budget, its own or a
     neighbour's; a fork of a template): it runs again, once, in a child of its own
     (``Again``), and that run's reports count; ``alone``: with no budget (the guess was
-    a budget), else with its own need (the guess was only the fork).
+    a budget), else with its own need (the guess was only the fork). ``failed``: one of
+    its reports failed (a test that ran out of its order runs again after the tests
+    before it; a failure may stop the session, so ``Settings.ordered`` replays nothing
+    after it until the driver has told whether it did).
     """
 
     child: int
@@ -166,6 +169,7 @@ class Done(Event):
     more: bool = True
     again: bool = False
     alone: bool = True
+    failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -315,10 +319,13 @@ class Report(Action):
 class Again(Action):
     """The test runs again in a child of its own (``alone``: alone on its devices, else
     with its own need): its reports so far are not replayed; those of its next child
-    are (its ``Replay`` comes then)."""
+    are (its ``Replay`` comes then). ``order``: it failed after it ran out of its
+    collection order (backfilled, or past a gathered test): it runs again, alone, once
+    every test before it has ended."""
 
     test: str
     alone: bool = True
+    order: bool = False
 
 
 @dataclass(frozen=True)
@@ -357,7 +364,10 @@ class Settings:
     wait in the queue past a head that waits for devices (0: pytest waits at the head, and
     nothing is backfilled); ``gather``: how many tests that need their devices alone may
     wait, passed over while their devices are busy, so that one drain serves them
-    together (0: each drains its devices at its turn).
+    together (0: each drains its devices at its turn); ``ordered``: a failure may stop
+    the session (``-x``, ``--maxfail``, ``--stepwise``), so tests end to pytest in
+    submission order, and nothing is replayed after a failure in the same batch (the
+    driver tells ``Stop`` first, if it stopped the session).
     """
 
     devices: tuple[str, ...] = ("0",)
@@ -376,3 +386,4 @@ class Settings:
     boots: tuple[tuple[str, str], ...] = ()
     backfill: int = 0
     gather: int = 0
+    ordered: bool = False

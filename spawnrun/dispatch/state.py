@@ -44,6 +44,13 @@ class Entry:
     passed: bool = False
     #: It runs again, alone, after a failure a guess may have caused (``Done.again``).
     again: bool = False
+    #: It started while a test submitted before it still waited (backfilled, or past a
+    #: gathered test): a failure then runs it again, after the tests before it.
+    overtook: bool = False
+    #: ... and so it runs again: not before every test submitted before it has ended.
+    in_order: bool = False
+    #: Its run failed (``Done.failed``), or its report is a failure.
+    failed: bool = False
 
 
 def boot_key(test: ev.Test, fork: bool) -> tuple[bool, str]:
@@ -97,6 +104,13 @@ class Run:
         self.stuck = 0
         self.lost = 0
         self._ids = 0
+        #: ``Settings.ordered``: ended tests whose replay, report or drop waits for the
+        #: tests submitted before them; how many submitted tests were told in order.
+        self.held: dict[str, ev.Action] = {}
+        self.told = 0
+        #: A failure was told: nothing more is until the next batch of events (the
+        #: driver's ``Stop`` comes in it, if that failure stopped the session).
+        self.paused = False
 
     # Moves ---------------------------------------------------------------------------
 
@@ -118,7 +132,33 @@ class Run:
         if entry.phase is Phase.ENDED:
             raise Illegal(f"{entry.test.id} ended twice ({entry.ended_by}, then {action})")
         entry.phase, entry.ended_by = Phase.ENDED, type(action).__name__
-        self.emit(action)
+        if self.settings.ordered:
+            self.held[entry.test.id] = action  # told in submission order (``tell``)
+        else:
+            self.emit(action)
+
+    def tell(self) -> None:
+        """``Settings.ordered``: what ended is told in submission order, as in-process
+        pytest would report it; nothing after a failure in the same batch (the driver
+        tells ``Stop`` before the next, if that failure stopped the session: then what
+        ended after it is dropped, never replayed)."""
+        while self.told < len(self.submitted) and not self.paused:
+            tid = self.submitted[self.told]
+            entry = self.tests[tid]
+            if entry.phase is not Phase.ENDED:
+                return
+            self.told += 1
+            action = self.held.pop(tid, None)
+            if action is None:
+                continue
+            self.emit(action)
+            self.paused = self._fails(tid, action)
+
+    def _fails(self, test: str, action: ev.Action) -> bool:
+        """Whether telling ``action`` reports a failure (which may stop the session)."""
+        if isinstance(action, ev.Report):
+            return action.outcome is not ev.Outcome.STOPPED
+        return isinstance(action, ev.Replay) and self.tests[test].failed
 
     def unshare(self, child: Child, why: str) -> None:
         """The child's scope is not shared: it runs its test, later ones get their own."""
@@ -429,6 +469,8 @@ class Run:
 
     def next_wake(self) -> float | None:
         """When the driver must send a ``Tick`` at the latest (None: only events matter)."""
+        if self.paused and self.held:
+            return self.now  # what waits to be told goes on at the next batch
         times = [c.deadline for c in self.live_or_settling() if c.deadline is not None]
         if self.queue and self.peers_hold():
             times.append(self.now + self.settings.poll)

@@ -81,6 +81,9 @@ class Spec:
     #: What its file's collection does to the devices a child sees ("", ev.DRIVER: a
     #: conftest asks CUDA for devices, ev.CONTEXT: it allocates).
     touches: str = ""
+    #: Order-dependent: it fails where it starts before this test has (which writes
+    #: what it reads).
+    needs_first: str = ""
 
 
 @dataclass
@@ -158,12 +161,17 @@ class World:
         self.failures = 0
         self.stopped = False
         self.stop_due: tuple[str, str] | None = None
+        self.stop_after = ""
         self.steps = 0
         self.log: list[ev.Action] = []
         #: When each test got its go, and the budget it last ran with.
         self.went: dict[str, float] = {}
         self.needs: dict[str, int | None] = {}
         self.agains: list[str] = []
+        #: Whether each test's last run started before the test it needs first.
+        self.out_of_order: dict[str, bool] = {}
+        #: The ``Again`` actions that asked for a run in the test's order.
+        self.in_order: list[str] = []
         #: The kind of child each test last ran in.
         self.kinds: dict[str, Kind] = {}
         capacity = dict(settings.capacity)
@@ -422,6 +430,8 @@ class World:
         self.needs[a.test] = self.d.children[a.child].need if a.devices else ev.ALONE
         self.kinds[a.test] = proc.kind
         again = fate == "guess" and self.needs[a.test] is not ev.ALONE
+        first = spec.needs_first
+        self.out_of_order[a.test] = bool(first) and first not in self.went
         done = ev.Done(
             end,
             a.child,
@@ -429,6 +439,7 @@ class World:
             interrupt=fate == "interrupt",
             poisoned=fate == "poison",
             again=again,
+            failed=fate in FAILING or again or self.out_of_order[a.test],
         )
         self._at(end, done)
         members = proc.members
@@ -483,7 +494,7 @@ class World:
         for proc in self.procs.values():
             if proc.running == a.test:
                 proc.running = ""
-        if self.specs[a.test].fate in FAILING:
+        if self.specs[a.test].fate in FAILING or self.out_of_order.get(a.test):
             self._failed(a.test)
 
     def _report(self, a: ev.Report) -> None:
@@ -495,6 +506,8 @@ class World:
 
     def _again(self, a: ev.Again) -> None:
         self.agains.append(a.test)
+        if a.order:
+            self.in_order.append(a.test)
 
     def _drop(self, a: ev.Drop) -> None:
         self._ended(a.test, "drop")
@@ -506,7 +519,23 @@ class World:
         self._stop("interrupted", after=a.test)
 
     def _ended(self, test: str, how: str) -> None:
+        if how != "drop":
+            self._check_told(test)
         self.ends.setdefault(test, []).append(how)
+
+    def _check_told(self, test: str) -> None:
+        """A report reaches pytest as in-process: never for a test after the one whose
+        report stopped the session, and (``Settings.ordered``) only once every test
+        pytest reached before it has ended."""
+        submitted = self.d.submitted
+        if self.stopped and self.stop_after in submitted:
+            if submitted.index(test) > submitted.index(self.stop_after):
+                raise Unsafe(f"{test} reported after {self.stop_after} stopped the session")
+        if self.settings.ordered:
+            earlier = submitted[: submitted.index(test)]
+            untold = [t for t in earlier if t not in self.ends]
+            if untold:
+                raise Unsafe(f"{test} reported before {untold}, which pytest reached first")
 
     def _failed(self, test: str) -> None:
         self.failures += 1
@@ -517,6 +546,7 @@ class World:
         if not self.stopped:
             self.stopped = True
             self.stop_due = (why, after)
+            self.stop_after = after
 
     # Safety --------------------------------------------------------------------------
 
