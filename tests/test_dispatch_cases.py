@@ -751,3 +751,46 @@ def test_a_test_that_ran_out_of_order_and_failed_runs_again_after_those_before_i
     # Its counted run started after every test before it had ended, alone.
     assert world.went["reader"] >= world.went["exclusive"] + 0.5
     assert world.needs["reader"] is None
+
+
+def test_no_test_before_a_failure_waiting_to_be_told_is_gathered() -> None:
+    """Found by the properties (issue 43's ordered stops): under ``-x``, a test that
+    needs both devices alone was passed over (gathered) while a child started while
+    collecting held one of them idle; a later test crashed, and its failure waited to be
+    told until the gathered test had ended, while every test after it waited behind that
+    failure: nothing could move. While a failure waits to be told, nothing is gathered."""
+
+    def test(tid: str, count: int, file: str, fate: str = "pass") -> Spec:
+        scope = "scope a" if file == "filescope a" else ""
+        plan = ev.Test(tid, count=count, scope=scope, key=file, file=file)
+        return Spec(plan, duration=0.0, fate=fate)
+
+    specs = [
+        test("t0", 1, "filescope a"),
+        test("t1", 1, "file1"),
+        test("t2", 2, "file2"),
+        test("t3", 1, "file0", fate="crash"),
+        test("t4", 1, "file1"),
+        test("t5", 1, "file2"),
+        test("t6", 1, "filescope a"),
+        test("t7", 1, "file1"),
+        test("t8", 0, "file2"),
+        test("t9", 1, "file0"),
+    ]
+    settings = _settings(
+        devices=("0", "1"),
+        capacity=(("0", None), ("1", None)),
+        per_gpu=1,
+        jobs=1,
+        lookahead=0,
+        early=2,
+        exit_grace=2.0,
+        kill_grace=1.0,
+        settle=3.0,
+        ordered=True,
+        gather=32,
+    )
+    world = World(settings, specs, maxfail=1, expect=(("file0", 1, None), ("file0", 1, None)))
+    result = world.run()
+    assert result.stuck == []
+    assert result.dispatcher.stopped_after == "t3"

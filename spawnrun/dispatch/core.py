@@ -206,9 +206,14 @@ class Dispatcher(Ends):
         """For each queued test, how many tests that start by themselves (not gathered,
         of no scope: a scope's later test may wait for its earlier one) wait behind it;
         None: nothing is gathered now (``Settings.gather``). Not once the session stops,
-        not past the limit of such tests waiting, and not once pytest reached its last
-        test with nothing but them left to start (then one drain serves them all)."""
+        not while a failure waits to be told (``Settings.ordered``), not past the limit of
+        such tests waiting, and not once pytest reached its last test with nothing but
+        them left to start (then one drain serves them all)."""
         if not self.settings.gather or self.stopping:
+            return None
+        if self.settings.ordered and any(self._fails(t, a) for t, a in self.held.items()):
+            # A failure waits to be told until every test before it has ended: none of
+            # them may wait, passed over, for tests that all wait for it (a deadlock).
             return None
         gatherable = [self._gatherable(self.tests[t]) for t in self.queue]
         alone = sum(gatherable)
