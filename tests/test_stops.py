@@ -174,6 +174,9 @@ def test_a_test_that_ran_out_of_order_and_failed_runs_again_in_its_order(pyteste
     args = ["-p", "no:cacheprovider", "-rA", "--spawn-gpus", "GPU-a"]
     args += ["--spawn-gpu-memory", "80GiB", "--spawn-jobs", "3"]
     plain = _outcome(pytester.runpytest_subprocess(*args, NO_SPAWN))
+    # What the plain run wrote: the reader must not find it before the writer runs (the
+    # first test removes it only once its own child runs it).
+    (pytester.path / "b.txt").unlink()
     result = pytester.runpytest_subprocess(*args)
     assert _outcome(result) == plain
     result.assert_outcomes(passed=3)
