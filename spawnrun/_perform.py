@@ -111,25 +111,28 @@ class Performer(Units):
     def _again_alone(self, nodeid: str, alone: bool = True, order: bool = False) -> None:
         """The test runs again: a fresh job, whose reports are the ones replayed.
 
-        ``alone``: it failed on a learned budget (its own or a neighbour's), or after it
-        ran out of pytest's order (``order``: it runs again once the tests before it have
-        ended), and runs alone, with no budget; else its fork's outcome was in doubt, and
-        it runs spawned, not forked, with its own need. The first run's job still ends
-        its child (its reports are never replayed, and it is not counted as a test); its
-        turn (what the parent's environment and teardown were when pytest reached the
-        test) carries over. A template's test runs again in a child of its own, and the
-        template goes on with its next test."""
+        ``alone``: it failed on a learned budget (its own or a neighbour's), and runs
+        alone, with no budget; else (its fork's outcome was in doubt, or ``order``: it
+        failed after it ran out of pytest's order, and runs again once the tests before
+        it have ended) it runs spawned, not forked, with its own need. The first run's
+        job still ends its child (its reports are never replayed, and it is not counted
+        as a test); its turn (what the parent's environment and teardown were when pytest
+        reached the test) carries over. A template's test runs again in a child of its
+        own, and the template goes on with its next test."""
         old = self.by_id.pop(nodeid, None)
         item, plan = self.items[nodeid]
         forked = old is not None and old.forked
         unforked = (old.doubt or _unforked.FAILED_IN_FORK) if old and forked else plan.unforked
         scope = _packing.shared_scope(plan.scope)
-        if alone or order:
+        if order:
+            self.out_of_order.append(nodeid)
+        if alone:
             guess = plan.budget_source if plan.learned else "a neighbour's learned budget"
             why = f"ran again alone: it failed on a guessed budget ({guess})"
             if order:
                 why = f"ran again alone, in its order: it failed after it {OUT_OF_ORDER}"
-            (self.out_of_order if order else self.again).append(nodeid)
+            else:
+                self.again.append(nodeid)
             plan = replace(
                 plan, need=_packing.ALONE, alone_because=why, budget_source="", learned=False
             )

@@ -152,7 +152,7 @@ class Summary:
             shown += " ..." if len(self.out_of_order) > 10 else ""
             lines.append(
                 f"{_plural(len(self.out_of_order), 'test')} {OUT_OF_ORDER}, failed, and ran "
-                f"again alone after the tests before it (the second run's outcome counts): {shown}"
+                f"again after the tests before it (the second run's outcome counts): {shown}"
             )
         if self.peaks:
             lines.append("peak GPU memory per test (torch's caching allocator, reserved):")

@@ -727,8 +727,8 @@ def test_a_test_that_ran_out_of_order_and_failed_runs_again_after_those_before_i
     """Issue 43: an order-dependent suite (the third test reads what the exclusive one
     before it writes). Gathering passed over the exclusive test while the long one held
     the device, the reader ran first and failed. A test that ran out of its order and
-    failed runs again once every test before it has ended (spawned, alone), and only that
-    run counts; without gathering nothing runs out of order and nothing runs again."""
+    failed runs again once every test before it has ended (spawned, with its own need),
+    and only that run counts; without gathering nothing runs out of order and nothing runs again."""
 
     def test(tid: str, need: int | None, seconds: float, first: str = "") -> Spec:
         plan = ev.Test(tid, need=need, file="f.py")
@@ -748,9 +748,10 @@ def test_a_test_that_ran_out_of_order_and_failed_runs_again_after_those_before_i
         assert world.agains == []
         return
     assert world.in_order == ["reader"]
-    # Its counted run started after every test before it had ended, alone.
+    # Its counted run started after every test before it had ended, with its own need
+    # (its budget is the test's own, not the guess).
     assert world.went["reader"] >= world.went["exclusive"] + 0.5
-    assert world.needs["reader"] is None
+    assert world.needs["reader"] == 2 * GiB
 
 
 def test_no_test_before_a_failure_waiting_to_be_told_is_gathered() -> None:

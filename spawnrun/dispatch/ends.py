@@ -69,7 +69,7 @@ class Ends(Run):
         again = (event.again or order) and not entry.again and not self.stopping
         if again and order:
             entry.in_order, entry.overtook = True, False
-        alone = event.alone or order
+        alone = event.alone  # a rerun in its order keeps its own need
         if again and not child.scope:
             self._again(child, entry, alone)
             return

@@ -439,6 +439,7 @@ class World:
             interrupt=fate == "interrupt",
             poisoned=fate == "poison",
             again=again,
+            alone=again,  # a budget's guess runs again alone; an order's with its need
             failed=fate in FAILING or again or self.out_of_order[a.test],
         )
         self._at(end, done)
