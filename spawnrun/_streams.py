@@ -49,10 +49,6 @@ def disarm() -> None:
     _armed = False
 
 
-def seeded() -> bool:
-    return _seeded
-
-
 def _noticing(function: Any) -> Any:
     def noticed(*args: Any, **kwargs: Any) -> Any:
         global _seeded
