@@ -36,6 +36,16 @@ from typing import Any
 #: Variable -> (its value when first read while the template imported, or None where
 #: unset; the top-level package that read it).
 READS: dict[str, tuple[str | None, str]] = {}
+#: The same for the reads made while the template imported learned preloads (the
+#: libraries that tests imported in their bodies last time): a spawned child imports
+#: such a library only once its test does, after its fixtures. A library that the
+#: parent's conftests or collection imported, a spawned child imports while it boots,
+#: before any fixture, as the template did: a later write does not change what it read.
+LATE: dict[str, tuple[str | None, str]] = {}
+#: Variables that the template's imports read unset and then set themselves (torch's
+#: inductor sets ``TORCHINDUCTOR_CACHE_DIR`` to its default so): the value set. A test
+#: whose environment has that value sees what the library would have made of it.
+DEFAULTED: dict[str, str] = {}
 #: Packages that listed the environment while imported -> the names it held then.
 LISTED: dict[str, frozenset[str]] = {}
 #: Set by spawnrun itself while the template imports (not the user's): not a read.
@@ -89,13 +99,16 @@ def _observed_getitem(self: Any, key: str) -> str:
             BOOT.add(key)
         return _original_getitem(self, key)
     try:
-        value = _original_getitem(self, key)
+        value: str | None = _original_getitem(self, key)
     except KeyError:
-        if self is os.environ and isinstance(key, str) and key not in READS and key not in OWN:
-            READS[key] = (None, _reader())
-        raise
-    if self is os.environ and isinstance(key, str) and key not in READS and key not in OWN:
-        READS[key] = (value, _reader())
+        value = None
+    if self is os.environ and isinstance(key, str) and key not in OWN:
+        if key not in READS:
+            READS[key] = (value, _reader())
+        if _late and key not in LATE and (reader := _reader()) == _late:
+            LATE[key] = (value, reader)
+    if value is None:
+        raise KeyError(key)
     return value
 
 
@@ -108,16 +121,44 @@ def _observed_iter(self: Any) -> Iterator[str]:
     return _original_iter(self)
 
 
+def _observed_setitem(self: Any, key: str, value: str) -> None:
+    _original_setitem(self, key, value)
+    if self is os.environ and key in READS and READS[key][0] is None:
+        DEFAULTED[key] = value  # read unset, then set: the library's default
+
+
 @contextlib.contextmanager
 def observing() -> Iterator[None]:
-    """While the template imports: every read of ``os.environ`` is noted (``READS``)."""
+    """While the template imports: every read of ``os.environ`` is noted (``READS``),
+    and what it set of what it read unset (``DEFAULTED``)."""
     _Environ.__getitem__ = _observed_getitem  # type: ignore[method-assign]
     _Environ.__iter__ = _observed_iter  # type: ignore[method-assign]
+    _Environ.__setitem__ = _observed_setitem  # type: ignore[method-assign]
     try:
         yield
     finally:
         _Environ.__getitem__ = _original_getitem  # type: ignore[method-assign]
         _Environ.__iter__ = _original_iter  # type: ignore[method-assign]
+        _Environ.__setitem__ = _original_setitem  # type: ignore[method-assign]
+
+
+#: The top-level package of the learned preload being imported ("": none).
+_late = ""
+
+
+@contextlib.contextmanager
+def reading_late(module: str) -> Iterator[None]:
+    """While the template imports ``module``, which tests imported in their bodies
+    ("": another): the reads its own package makes are noted in ``LATE`` too. What
+    other packages read meanwhile (the standard library's ``sysconfig`` reading
+    ``HOME`` for the user's site directory) is not: that is their state, which a
+    spawned child's own imports make as they do."""
+    global _late
+    _late = module.partition(".")[0]
+    try:
+        yield
+    finally:
+        _late = ""
 
 
 _booting = False
@@ -160,7 +201,7 @@ def conflict(final: Mapping[str, str]) -> tuple[str, str]:
     (package, why); ("", "") where a fork sees what a spawned child would."""
     for name, (seen, reader) in READS.items():
         now = final.get(name)
-        if now != seen:
+        if now != seen and not (name in DEFAULTED and now == DEFAULTED[name]):
             return reader, (
                 f"{reader or 'a module'} read {name} at import in the template "
                 f"({_shown(seen)}), and this test's is {_shown(now)}"
@@ -168,7 +209,7 @@ def conflict(final: Mapping[str, str]) -> tuple[str, str]:
     names = _listed_names(final)
     for reader, listed in LISTED.items():
         if _listed_names(listed) != names:
-            differ = sorted(listed ^ names)[:3]
+            differ = sorted(_listed_names(listed) ^ names)[:3]
             return reader, (
                 f"{reader or 'a module'} listed the environment at import in the template, "
                 f"and this test's differs ({', '.join(differ)})"
@@ -180,8 +221,10 @@ def _listed_names(names: Iterable[str]) -> frozenset[str]:
     """What a package that lists the environment is checked for: the names the parent's
     environment has, not those spawnrun gives each test (its device mask, budget and own
     markers), which a library that lists the environment at import (networkx) looks
-    past; a value it read is checked as any read is (``READS``)."""
-    own = OWN | PER_TEST | MASKS
+    past, nor those a library of the template set to its default there
+    (``DEFAULTED``: the parent's own import of it set them, not the user); a value it
+    read is checked as any read is (``READS``)."""
+    own = OWN | PER_TEST | MASKS | DEFAULTED.keys()
     return frozenset(n for n in names if n not in own and not n.startswith("SPAWNRUN_"))
 
 
@@ -190,9 +233,11 @@ def _shown(value: str | None) -> str:
 
 
 def watch_writes() -> None:
-    """In a forked test's process: a write, to another value, of a variable the
-    template's imports read makes the test's outcome doubtful (``doubt``)."""
-    if not READS or _Environ.__setitem__ is not _original_setitem:
+    """In a forked test's process: a write, to another value, of a variable that the
+    template's learned preloads read at import makes the test's outcome doubtful
+    (``doubt``). A variable that only the libraries of the conftests and collection
+    read is not watched: a spawned child read it at import before its fixtures too."""
+    if not LATE or _Environ.__setitem__ is not _original_setitem:
         return  # nothing read in a template (a spawned child), or watched already
 
     def setitem(self: Any, key: str, value: str) -> None:
@@ -211,7 +256,7 @@ def watch_writes() -> None:
 
 def _wrote(key: str, value: str | None) -> None:
     global _doubt
-    read = READS.get(key)
+    read = LATE.get(key)
     if _doubt or read is None or read[0] == value:
         return
     seen, reader = read

@@ -15,6 +15,18 @@ from typing import Any
 from spawnrun import _libraries
 from spawnrun import _probe
 
+#: Native threads, by the name their library gives them, that a fork may leave behind:
+#: their library takes its own locks in a ``pthread_atfork`` handler and runs without the
+#: thread in the child. Each was checked against the library's fork handling.
+FORK_AWARE = {
+    # jemalloc's prefork handler takes every one of its mutexes, the background
+    # thread's included, and its child handler turns background threads off in the
+    # child (purging then happens inline). pyarrow's libarrow starts one as it loads
+    # (``datasets`` imports pyarrow), and so does any program linked with jemalloc and
+    # ``background_thread:true``.
+    "jemalloc_bg_thd": "jemalloc",
+}
+
 
 def unsafe_state() -> str:
     """Why forking this process now would be unsafe ("" if it is safe)."""
@@ -23,17 +35,7 @@ def unsafe_state() -> str:
     runtime = _probe.device_runtime()
     if runtime:
         return runtime
-    threads = _probe.other_threads()
-    if threads:
-        # Libraries that handle fork themselves stop their pools when the process
-        # forks (OpenBLAS, which numpy loads, starts one per core at import and parks
-        # it in a pthread_atfork handler): let them, with a fork that does nothing.
-        # What survives it would hang or deadlock a forked child.
-        _quiesce()
-        threads = _probe.other_threads()
-        for name in _probe.waiting_for_connections():
-            if name in threads:
-                threads.remove(name)
+    threads = unsafe_threads()
     if threads:
         return (
             f"{len(threads)} other thread(s) run in it ({', '.join(sorted(set(threads)))}); "
@@ -41,6 +43,32 @@ def unsafe_state() -> str:
             "then hang)"
         )
     return plugin_state()
+
+
+def unsafe_threads() -> list[str]:
+    """The names of this process's other threads that make a fork of it unsafe, judged
+    one by one: a thread a fork may leave behind is not among them.
+
+    - Libraries that handle fork themselves stop their pools when the process forks
+      (OpenBLAS, which numpy loads, starts one per core at import and parks it in a
+      ``pthread_atfork`` handler): a fork that does nothing lets them.
+    - A native thread of a library that takes its locks around a fork and runs
+      without the thread in the child (``FORK_AWARE``) stays and is harmless.
+    - A Python thread waiting in ``socket.accept`` holds no lock (``_probe``).
+
+    What is left would hang or deadlock a forked child: its locks are copied held, the
+    thread is not.
+    """
+    threads = _probe.threads()
+    if not threads:
+        return []
+    _quiesce()
+    waiting = set(_probe.waiting_for_connections())
+    return [
+        name
+        for name, python in _probe.threads()
+        if not (python and name in waiting) and not (not python and name in FORK_AWARE)
+    ]
 
 
 def boot_touch() -> str:

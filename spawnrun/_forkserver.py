@@ -155,15 +155,18 @@ class Zygote:
         learned: Collection[str],
         path: list[str] | None = None,
         rewrite: proto.Rewrite | None = None,
+        late: Collection[str] = (),
     ) -> None:
-        """Preload ``modules``, those of ``learned`` last and bounded (``ready``)."""
+        """Preload ``modules``, those of ``learned`` last and bounded (``ready``);
+        ``late``: those tests imported in their bodies (``Preload.late``)."""
         plain = [m for m in modules if m not in learned]
         guessed = [m for m in modules if m in learned]
         if plain or path is not None or rewrite is not None:
             self.preload(plain, path, rewrite)
         if guessed:
             with contextlib.suppress(OSError):
-                self.conn.send(proto.Preload(guessed, learned=True))
+                later = frozenset(m for m in guessed if m in late)
+                self.conn.send(proto.Preload(guessed, learned=True, late=later))
                 self.pending += 1
 
     @property
@@ -376,6 +379,8 @@ class ZygoteHolder:
         #: What only pytest's cache named (imported last, bounded), and what of it the
         #: checks dropped (``_learned.check_cache``).
         self.learned: set[str] = set()
+        #: Of those, what earlier runs' tests imported in their bodies (``Preload.late``).
+        self.late: set[str] = set()
         self.rejected: set[str] = set()
         #: What something besides the cache names (plugins, the parent's imports, the
         #: test files' import lines): never bounded as learned.
@@ -426,6 +431,7 @@ class ZygoteHolder:
         wanted = _dedupe([*plugins, *learned, *found])
         self.found = {*plugins, *found}
         self.learned = set(learned) - self.found
+        self.late = set(_learned.preloads(config)) - self.found
         self.optional = [m for m in wanted if m not in self.base and self.may_keep(m)]
         self.early = early
         if early is not None:
@@ -438,7 +444,7 @@ class ZygoteHolder:
         self.zygote = self._make(config, self.base)
         modules = self.wanted()
         if self.zygote is not None and modules:
-            self.zygote.preload_all(modules, self.learned)
+            self.zygote.preload_all(modules, self.learned, late=self.late)
 
     def wanted(self) -> list[str]:
         """The optional modules a new template imports: not left out, and learned

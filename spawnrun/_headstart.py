@@ -113,7 +113,7 @@ class HeadStart:
         new = [m for m in [*holder.base, *holder.optional] if m not in {*self.base, *self.optional}]
         path = list(sys.path) if sys.path != self.path else None
         rewrite = holder.rewrite if holder.rewrite != self.rewrite else None
-        zygote.preload_all(new, holder.learned, path, rewrite)
+        zygote.preload_all(new, holder.learned, path, rewrite, late=holder.late)
         log = _move_log(zygote.spec.log_path, holder.workdir)
         zygote.spec = dataclasses.replace(zygote.spec, log_path=log)
         return zygote
@@ -213,7 +213,8 @@ def start(config: pytest.Config) -> None:
         head.zygote = _forkserver.Zygote(spec, child_environ)
     except Exception:  # noqa: BLE001 - the session starts one as before, and says why
         return
-    head.zygote.preload_all(optional, head.learned)
+    late = set(_learned.preloads(early)) - set(found)  # type: ignore[arg-type]
+    head.zygote.preload_all(optional, head.learned, late=late)
 
 
 def remember(config: pytest.Config, holder: _forkserver.ZygoteHolder) -> None:

@@ -209,24 +209,31 @@ def other_threads() -> list[str]:
     Counted from the kernel's view, so threads started by C libraries (OpenMP, MKL,
     CUDA) count too, not only Python's ``threading`` ones; those get their Python name.
     """
+    return [name for name, _ in threads()]
+
+
+def threads() -> list[tuple[str, bool]]:
+    """This process's threads other than the calling one: each one's name and whether
+    it is a Python ``threading`` thread (named as Python names it) or a native one (named
+    as its library named it, ``/proc/self/task/*/comm``)."""
     import threading
 
     me = threading.get_native_id()
     python_names = {t.native_id: t.name for t in threading.enumerate()}
-    names = []
+    found = []
     with contextlib.suppress(OSError):
         for tid in os.listdir("/proc/self/task"):
             if int(tid) == me:
                 continue
             if int(tid) in python_names:
-                names.append(python_names[int(tid)])
+                found.append((python_names[int(tid)], True))
                 continue
             try:
                 with open(f"/proc/self/task/{tid}/comm") as f:
-                    names.append(f.read().strip() or tid)
+                    found.append((f.read().strip() or tid, False))
             except OSError:
                 continue  # it just ended
-    return names
+    return found
 
 
 def waiting_for_connections() -> list[str]:

@@ -345,6 +345,10 @@ class Preload:
     #: starts each package (``Importing``), and the parent gives up on one that takes
     #: too long.
     learned: bool = False
+    #: Of ``modules``, those that tests imported in their bodies last time, where no
+    #: conftest, plugin or test file's import line names them: what they read of the
+    #: environment at import, a spawned child reads after its fixtures (``_environ.LATE``).
+    late: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)

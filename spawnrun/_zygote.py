@@ -141,7 +141,9 @@ class _Template:
         #: Templates that configured pytest once; their forks are tests' children too.
         self.pool = _configured.Pool()
 
-    def load(self, modules: list[str], learned: bool = False) -> None:
+    def load(
+        self, modules: list[str], learned: bool = False, late: frozenset[str] = frozenset()
+    ) -> None:
         """Import ``modules`` in order, checking safety after each top-level package.
 
         The first package after whose import forking became unsafe is named as the
@@ -157,7 +159,7 @@ class _Template:
             groups.setdefault(name.partition(".")[0], []).append(name)
         with _rewriting(self.rewriter), _openmp_waits_passively(), _collector_paused():
             with _environ.observing():
-                imported, culprit, suspects = self._import(groups, failed, learned)
+                imported, culprit, suspects = self._import(groups, failed, learned, late)
             if learned:
                 self.conn.send(proto.Importing("", time.monotonic()))
             _metadata.snapshot()  # each fork's pytest reads the installed packages from it
@@ -173,7 +175,11 @@ class _Template:
         self.conn.send(proto.ZygoteReady(os.getpid(), self.refusal, culprit, failed, suspects))
 
     def _import(
-        self, groups: dict[str, list[str]], failed: list[str], learned: bool
+        self,
+        groups: dict[str, list[str]],
+        failed: list[str],
+        learned: bool,
+        late: frozenset[str] = frozenset(),
     ) -> tuple[bool, str, list[str]]:
         """Import each package's modules; (whether any was imported, the culprit, the
         suspects: the packages imported with the one that made forking unsafe)."""
@@ -190,7 +196,8 @@ class _Template:
             before = {m.partition(".")[0] for m in sys.modules}
             for name in names:
                 try:
-                    importlib.import_module(name)
+                    with _environ.reading_late(name if name in late else ""):
+                        importlib.import_module(name)
                 except BaseException as exc:  # noqa: BLE001 - the children import it
                     failed.append(f"{name}: {exc!r}")
             self.refusal = unsafe_state()
@@ -247,7 +254,7 @@ class _Template:
                 if stale:
                     self.conn.send(proto.ZygoteReady(os.getpid(), stale=stale))
                 else:
-                    self.load(request.modules, request.learned)
+                    self.load(request.modules, request.learned, request.late)
             elif isinstance(request, proto.Prime):
                 if not self.refusal:
                     self.pool.prime(request.request, lambda r: self._configure(r, []), request.wait)

@@ -199,6 +199,47 @@ def test_a_learned_preload_that_reads_what_a_fixture_sets_runs_again_spawned(
     third.stdout.no_fnmatch_line("*ran again*")
 
 
+@pytest.mark.parametrize("case", ["sets-its-default", "read-before-the-fixture"])
+def test_what_a_spawned_child_reads_alike_keeps_the_test_forked(
+    pytester: pytest.Pytester,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    """Reads that a spawned child makes alike do not unfork a test: a library that sets
+    a variable it read unset to its default at import (torch's inductor does it with
+    ``TORCHINDUCTOR_CACHE_DIR``, and the parent's own import of it set it too), and a
+    library the test file imports, read before the fixture sets the variable (its
+    spawned child imports it while collecting, before the fixture, too)."""
+    site = tmp_path_factory.mktemp("site")
+    (site / "envlib").mkdir()
+    (site / "envlib" / "__init__.py").write_text(
+        "import os\n"
+        "SEEN = os.environ.get('ENVLIB_DIR')\n"
+        "if SEEN is None:\n    os.environ['ENVLIB_DIR'] = '/default'\n"
+        "FLAG = os.environ.get('ENVLIB_FLAG')\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.delenv("ENVLIB_DIR", raising=False)
+    monkeypatch.delenv("ENVLIB_FLAG", raising=False)
+    if case == "sets-its-default":
+        # The parent's collection imports it too and so has '/default', which each
+        # test's child inherits, where the template read it unset.
+        test = "def test_reads():\n    assert os.environ['ENVLIB_DIR'] == '/default'\n"
+    else:
+        test = "def test_reads(flag):\n    assert envlib.FLAG is None\n"
+    pytester.makepyfile(
+        "import os\nimport pytest\nimport envlib\n"
+        "@pytest.fixture\n"
+        "def flag(monkeypatch):\n    monkeypatch.setenv('ENVLIB_FLAG', 'on')\n"
+        "@pytest.mark.gpu(count=0)\n" + test
+    )
+    result = pytester.runpytest_subprocess(*FAST)
+    result.assert_outcomes(passed=1)
+    result.stdout.no_fnmatch_line("*spawned, not forked*")
+    result.stdout.no_fnmatch_line("*ran again*")
+
+
 def test_a_forked_test_that_fails_is_confirmed_in_a_spawned_child(
     pytester: pytest.Pytester,
 ) -> None:

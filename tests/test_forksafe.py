@@ -61,3 +61,23 @@ def test_a_hook_that_raises_counts_as_a_device_in_use(monkeypatch):
     assert "spawnrun_t_broken.pytest_spawnrun_device_state raised RuntimeError" in (
         _forksafe.plugin_state()
     )
+
+
+@pytest.mark.parametrize(
+    "threads, unsafe",
+    [
+        # pyarrow's jemalloc: its fork handlers take its locks; the child runs without it.
+        ([("jemalloc_bg_thd", False)], []),
+        # A Python thread may take any name: only the native one is known.
+        ([("jemalloc_bg_thd", True)], ["jemalloc_bg_thd"]),
+        # An unnamed native thread (an OpenMP pool's, a driver's): nothing known of it.
+        ([("jemalloc_bg_thd", False), ("python3", False)], ["python3"]),
+    ],
+)
+def test_threads_are_judged_one_by_one(monkeypatch, threads, unsafe):
+    """A thread whose library handles a fork itself leaves the process safe to fork;
+    any other thread still makes it unsafe, and is named."""
+    monkeypatch.setattr(_forksafe._probe, "threads", lambda: threads)
+    monkeypatch.setattr(_forksafe._probe, "waiting_for_connections", lambda: [])
+    monkeypatch.setattr(_forksafe, "_quiesce", lambda: None)
+    assert _forksafe.unsafe_threads() == unsafe

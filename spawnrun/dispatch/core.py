@@ -136,6 +136,7 @@ class Dispatcher(Ends):
             return  # submitted twice (a rerun plugin): the first one counts
         entry.phase, entry.submitted = Phase.WAITING, self.now
         self.submitted.append(test.id)
+        self.furthest = max(self.furthest, self.position[test.id])
         if self.stopping:
             self.end(entry, ev.Drop(test.id))
         elif entry.failed_ahead:

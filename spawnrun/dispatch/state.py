@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterator
 from dataclasses import dataclass
+from dataclasses import field
 from dataclasses import replace
 
 from spawnrun import _packing
@@ -51,6 +52,18 @@ class Entry:
     in_order: bool = False
     #: Its run failed (``Done.failed``), or its report is a failure.
     failed: bool = False
+    #: The run's started entries, which this entry joins and leaves as its phase
+    #: changes (``Run.in_slot`` is asked at every decision; summing every test's
+    #: entry there made a run of N tests cost N squared).
+    started: dict[str, Entry] | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        if name == "phase" and self.started is not None:
+            if value is Phase.STARTED:
+                self.started[self.test.id] = self
+            else:
+                self.started.pop(self.test.id, None)
 
 
 def boot_key(test: ev.Test, fork: bool) -> tuple[bool, str]:
@@ -70,9 +83,15 @@ class Run:
             settings.reserve,
         )
         self.tests: dict[str, Entry] = {}
-        #: Test ids in the order pytest reaches them (the suite's, then submissions').
+        #: Test ids in the order pytest reaches them (the suite's, then submissions'),
+        #: and each one's place in it.
         self.order: list[str] = []
+        self.position: dict[str, int] = {}
         self.submitted: list[str] = []
+        #: The place in ``order`` of the furthest test submitted (-1: none yet).
+        self.furthest = -1
+        #: The entries whose phase is ``STARTED`` (kept by ``Entry``).
+        self.started: dict[str, Entry] = {}
         self.queue: list[str] = []
         self.children: dict[int, Child] = {}
         self.templates: dict[str, Child] = {}
@@ -122,7 +141,8 @@ class Run:
             test = replace(test, scope="")
         entry = self.tests.get(test.id)
         if entry is None:
-            entry = self.tests[test.id] = Entry(test)
+            entry = self.tests[test.id] = Entry(test, started=self.started)
+            self.position[test.id] = len(self.order)
             self.order.append(test.id)
         elif entry.phase is Phase.KNOWN:
             entry.test = test  # the plan at its turn is the one that counts
@@ -366,7 +386,7 @@ class Run:
     def in_slot(self) -> int:
         """The job slots the started tests take."""
         jobs = self.settings.jobs
-        return sum(min(e.test.slots, jobs) for e in self.tests.values() if e.phase is Phase.STARTED)
+        return sum(min(e.test.slots, jobs) for e in self.started.values())
 
     def slot_for(self, test: ev.Test) -> bool:
         """Whether ``test`` may start now as far as job slots go: its slots are free, or
@@ -402,7 +422,7 @@ class Run:
         if not test.scope:
             return [test.id]
         waiting = (Phase.KNOWN, Phase.WAITING)
-        at = self.order.index(test.id)
+        at = self.position[test.id]
         later = [
             t
             for t in self.order[at + 1 :]
@@ -427,10 +447,8 @@ class Run:
         """
         if self.told_next is not None:
             ahead = [t for t in self.told_next if t in self.tests]
-        elif self.submitted:
-            ahead = self.order[max(self.order.index(t) for t in self.submitted) + 1 :]
         else:
-            ahead = self.order
+            ahead = self.order[self.furthest + 1 :]
         out: list[ev.Test] = []
         scopes: set[str] = set()
         for tid in ahead:
