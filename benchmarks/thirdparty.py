@@ -9,6 +9,11 @@ whose outcome differs from plain's (the parity check: isolation must not change 
 test does).
 
     python benchmarks/thirdparty.py --root .thirdparty/timm tests/test_layers.py
+    python benchmarks/thirdparty.py --root ../peft --ids-file peft_ids.txt --forked \
+        --pytest-args "-o addopts="
+
+Nothing is fetched at run time: the project's checkout and its dependencies must be
+there (``fetch`` gives the sources; ``docs/performance.md`` says which were measured).
 """
 
 from __future__ import annotations
@@ -65,7 +70,11 @@ def run(root: Path, args: list[str], xml: Path, limit: float, log: Path | None, 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", help="test paths or ids, relative to --root")
+    parser.add_argument("paths", nargs="*", help="test paths or ids, relative to --root")
+    parser.add_argument("--ids-file", type=Path, help="more test ids, one per line")
+    parser.add_argument(
+        "--forked", action="store_true", help="a pytest-forked run too (--forked, spawnrun off)"
+    )
     parser.add_argument("--root", type=Path, required=True)
     parser.add_argument("--spawn-args", default="--spawn-method forkserver --spawn-gpu")
     parser.add_argument(
@@ -77,6 +86,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     opts = parser.parse_args()
     root = opts.root.resolve()
+    if opts.ids_file:
+        lines = opts.ids_file.read_text().splitlines()
+        opts.paths += [line.strip() for line in lines if line.strip()]
+    if not opts.paths:
+        parser.error("no test paths or ids given")
     configs = ("pytest.ini", ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
     if not any((root / name).exists() for name in configs):
         # pytest would look further up for one, and run the project's tests under
@@ -87,6 +101,8 @@ def main() -> None:
         opts.logs.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     rows = [("plain", ["-p", "no:spawnrun", "-p", "no:cacheprovider"])]
+    if opts.forked:
+        rows.append(("pytest-forked", ["-p", "no:spawnrun", "-p", "no:cacheprovider", "--forked"]))
     rows += [(f"spawnrun, run {i}", shlex.split(opts.spawn_args)) for i in range(1, opts.runs + 1)]
     for label, extra in rows:
         slug = label.replace(" ", "").replace(",", "_")
@@ -112,7 +128,7 @@ def main() -> None:
     print(f"  plain outcomes: {counts}")
     if opts.out:
         slim = {k: {**v, "outcomes": len(v["outcomes"])} for k, v in results.items()}
-        opts.out.write_text(json.dumps({"paths": opts.paths, "runs": slim}, indent=1))
+        opts.out.write_text(json.dumps({"ids": len(opts.paths), "runs": slim}, indent=1))
 
 
 if __name__ == "__main__":
