@@ -175,7 +175,7 @@ class Ending:
         elif isinstance(msg, proto.ForkEnded):
             # The template's word on this test's fork, read with its "done" (a loaded
             # parent reads both at once) or while it waits for the next test.
-            warn_fork_ended(self.item, msg)
+            warn_fork_ended(named(msg, self.item), msg)
 
     def on_exit(self) -> None:
         """The child's sentinel fired: the process is gone."""
@@ -283,6 +283,14 @@ class Ending:
         if self.reaped_count:
             texts.append(_reports.REAPED.format(n=self.reaped_count))
         return texts
+
+
+def named(msg: proto.ForkEnded, item: pytest.Item) -> pytest.Item:
+    """The test ``msg`` names (``item`` where it names none, or none of the session's)."""
+    if not msg.nodeid or msg.nodeid == item.nodeid:
+        return item
+    found = [i for i in getattr(item.session, "items", []) if i.nodeid == msg.nodeid]
+    return found[0] if found else item
 
 
 def warn_fork_ended(item: pytest.Item, msg: proto.ForkEnded) -> None:

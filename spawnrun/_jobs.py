@@ -469,11 +469,12 @@ class Job:
             self._pipe_ended(msg.cause)
 
     def _fork_ended(self, msg: proto.ForkEnded) -> None:
-        """Warn on the test whose fork ended badly after its "done": this one's, or the
-        previous test's of its template (its word comes before this test's fork)."""
+        """Warn on the test whose fork ended badly after its "done": the one it names,
+        else this one's, or the previous test's of its template (its word comes before
+        this test's fork)."""
         previous = self.previous
         item = previous if previous is not None and msg.pid != self.forked_pid else self.item
-        _ending.warn_fork_ended(item, msg)
+        _ending.warn_fork_ended(_ending.named(msg, item), msg)
 
     def _learn(self, torch_peak: int | None) -> None:
         """The peak that ``--spawn-pack auto`` budgets this test by next time.

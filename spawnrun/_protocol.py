@@ -87,6 +87,9 @@ class ChildSpec:
     #: The parent's collection found CUDA available (``_availability``): the child
     #: answers ``torch.cuda.is_available()`` so while it collects, not the driver.
     cuda_available: bool = False
+    #: The run has no devices: a template's fork that said "done" holds none while it
+    #: exits, and the next one is forked meanwhile (``_template``).
+    deviceless: bool = False
     #: The parent's own arguments (fast mode, unless ``--spawn-template library``): a
     #: configured template (``_configured``) is configured with them once, as the
     #: parent was, and each of its forks collects ``args``. Empty: none may serve it.
@@ -284,6 +287,8 @@ class ForkEnded:
     pid: int
     code: int
     killed: bool = False
+    #: Its test ("": the one the parent hears now, or the one before it).
+    nodeid: str = ""
 
 
 Message = (

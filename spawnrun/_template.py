@@ -14,6 +14,7 @@ template rules of ``_zygote``): the child then runs its one test itself and ends
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import os
 import select
@@ -21,6 +22,7 @@ import signal
 import sys
 import time
 import traceback
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 from typing import NoReturn
@@ -41,20 +43,46 @@ def fork_each(relay: Any, item: Any, then: list[Any], by_id: dict[str, Any]) -> 
     test's report is a child's crash report and the rest go on in a fresh template.
     """
     forks = 0
+    previous: _Said | None = None
     while True:
         forks += 1
-        _fork_test(relay, item, bool(then), forks)
+        ending = _fork_test(relay, item, bool(then), forks, previous)
+        previous = None
         if not then:
             break
+        # The fork that said "done" exits while its report is replayed and the next Go
+        # comes (the template waited for its exit first: ~7 ms of every test's turn).
+        # Where the run has devices, its end comes before the next fork: its device
+        # memory is gone before the next test's starts. Where it has none, the next
+        # fork need not wait for it: its end is told once that one said "done" (the
+        # template never writes to the parent while a fork may).
+        if ending is not None and _ends_before_go(relay, ending):
+            _reap(relay, ending)
+            ending = None
         found = relay._await_go(by_id)
+        if found is not None:
+            then = then[then.index(found) + 1 :] if found in then else []
+        if ending is not None and found is not None and then and relay.spec.deviceless:
+            previous = ending
+        elif ending is not None:
+            _reap(relay, ending)
         if found is None:
             break
-        then = then[then.index(found) + 1 :] if found in then else []
         item = found
     relay.done = True  # the forks said "done"; what follows is told as After
 
 
-def _fork_test(relay: Any, item: Any, more: bool, serial: int) -> None:
+def _fork_test(
+    relay: Any,
+    item: Any,
+    more: bool,
+    serial: int,
+    previous: _Said | None = None,
+) -> _Said | None:
+    """Fork ``item``'s process and wait for it: where ``more`` tests follow, until it said
+    "done" (``_reap`` waits for its end later); else until it ended. ``previous``: the
+    fork before, which said "done": its end is told once this one said "done" or
+    ended (no fork writes to the parent then)."""
     if relay.sink is not None:
         relay.sink.flush()
         relay.terminal_from = os.path.getsize(relay.sink.current)
@@ -71,18 +99,72 @@ def _fork_test(relay: Any, item: Any, more: bool, serial: int) -> None:
     # (faulthandler reinstalls its handler only when it was unregistered first.)
     faulthandler.unregister(_leave.DUMP_SIGNAL)
     signal.signal(_leave.DUMP_SIGNAL, lambda *_: _signal_quietly(pid, _leave.DUMP_SIGNAL))
+    done_at = _wait_for_done(pid, said_done) if more else None
+    if done_at is not None:
+        _dump_own_stacks(relay)
+        if previous is not None:
+            _reap(relay, previous)
+        return _Said(pid, said_done, done_at, item.nodeid)
     try:
         status, done, killed = _wait_for(pid, said_done)
     finally:
         os.close(said_done)
+    _dump_own_stacks(relay)
+    if previous is not None:
+        _reap(relay, previous)
+    _ended(relay, pid, status, done, killed, more)
+    return None
+
+
+def _dump_own_stacks(relay: Any) -> None:
     signal.signal(_leave.DUMP_SIGNAL, signal.SIG_DFL)
     faulthandler.register(_leave.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Said:
+    """A fork that said "done": its pid, its "done" pipe, when it said it, its test."""
+
+    pid: int
+    said_done: int
+    done_at: float
+    nodeid: str
+
+
+def _ends_before_go(relay: Any, fork: _Said) -> bool:
+    """Wait for the next ``Go`` or the fork's end, whichever comes first, and at most
+    until the fork's ``FORK_EXIT_LIMIT`` is spent; True: the fork is to be reaped now
+    (ended, or to be killed)."""
+    pidfd = _pidfd(fork.pid)
+    if pidfd is None:
+        return True  # an older kernel: wait for it as before
+    try:
+        left = max(0.0, fork.done_at + proto.FORK_EXIT_LIMIT - time.monotonic())
+        ready = wait([relay.conn, pidfd], left)
+        return not ready or pidfd in ready
+    finally:
+        os.close(pidfd)
+
+
+def _reap(relay: Any, fork: _Said) -> None:
+    """Wait for the end of a fork that said "done" (``FORK_EXIT_LIMIT`` from then), and
+    tell how it ended."""
+    try:
+        status, _, killed = _wait_for(fork.pid, fork.said_done, fork.done_at)
+    finally:
+        os.close(fork.said_done)
+    _ended(relay, fork.pid, status, True, killed, True, fork.nodeid)
+
+
+def _ended(
+    relay: Any, pid: int, status: int, done: bool, killed: bool, more: bool, nodeid: str = ""
+) -> None:
     code = os.waitstatus_to_exitcode(status)
     if done and more:
         # Its test is over and reported: how its process ended is a warning on that
-        # test, told before the next fork; the template goes on (the next test is not
-        # to blame).
-        relay.send(proto.ForkEnded(pid, code, killed))
+        # test (named), told before the template's next fork or once that one said
+        # "done"; the template goes on (the next test is not to blame).
+        relay.send(proto.ForkEnded(pid, code, killed, nodeid))
         return
     if os.WIFSIGNALED(status):
         _die_by(os.WTERMSIG(status))
@@ -90,15 +172,41 @@ def _fork_test(relay: Any, item: Any, more: bool, serial: int) -> None:
         os._exit(code)
 
 
-def _wait_for(pid: int, said_done: int) -> tuple[int, bool, bool]:
+def _wait_for_done(pid: int, said_done: int) -> float | None:
+    """When the fork said "done" (its test is over and reported); None where it ended,
+    or closed its end of the pipe, without a word (``_wait_for`` tells how)."""
+    pidfd = _pidfd(pid)
+    try:
+        while True:
+            said = _said(said_done)
+            if said:
+                return time.monotonic()
+            if said is None or _exited(pid):
+                return None
+            watch = [said_done] if pidfd is None else [said_done, pidfd]
+            select.select(watch, [], [], None if pidfd is not None else 0.005)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _exited(pid: int) -> bool:
+    """Whether the fork has ended (it stays to be waited for)."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
+
+
+def _wait_for(pid: int, said_done: int, done_at: float | None = None) -> tuple[int, bool, bool]:
     """The fork's wait status, whether it said "done", and whether it had to be killed.
 
     Until "done" the test runs, for as long as it takes (the parent's timeout applies);
-    after it, the fork gets ``FORK_EXIT_LIMIT`` to exit, as a child of its own does.
-    Waits on the fork's pidfd (no polling) where the kernel has them.
+    after it (``done_at``: it said it then), the fork gets ``FORK_EXIT_LIMIT`` to exit,
+    as a child of its own does. Waits on the fork's pidfd (no polling) where the kernel
+    has them.
     """
     pidfd = _pidfd(pid)
-    done_at: float | None = None
     killed = heard_all = False
     try:
         while True:

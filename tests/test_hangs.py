@@ -216,6 +216,31 @@ def test_an_exit_status_after_done_is_a_warning_on_its_test(pytester, method, bo
     no_internal_error(result)
 
 
+def test_an_exit_status_told_after_the_next_test_warns_its_own_test(pytester, monkeypatch):
+    """Where the run has no devices, the template forks the next test before the
+    previous fork's end is known, and tells that end once the next test said "done":
+    the warning still lands on the guilty test, not on the one the parent hears then."""
+    monkeypatch.delenv("SPAWNRUN_GPUS")  # no devices (the others here declare two)
+    # Its exit takes a while: the next Go comes first.
+    slow_exit = "atexit.register(lambda: (time.sleep(0.5), os._exit(3)))"
+    pytester.makepyfile(
+        test_stuck=STUCK.format(body=slow_exit)
+        + "\n@pytest.mark.gpu(count=0)\ndef test_last():\n    pass\n"
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-method", "forkserver", "--spawn-jobs", "1", "-v",
+        timeout=HANG,
+    )  # fmt: skip
+    result.assert_outcomes(passed=3, warnings=1)
+    summary = result.stdout.lines[result.stdout.lines.index(
+        next(line for line in result.stdout.lines if "warnings summary" in line)
+    ):]  # fmt: skip
+    assert "test_stuck.py::test_guilty" in summary
+    assert "test_stuck.py::test_next" not in summary
+    result.stdout.fnmatch_lines(["*SpawnrunWarning*exited with status 3 after*"])
+    no_internal_error(result)
+
+
 # 4. pytest.exit() at the moment another test passes: its reports are kept ----------
 
 AT_ONCE = """
