@@ -128,11 +128,15 @@ class Summary:
             ends.append(f"{_plural(self.reaped, 'process', 'processes')} left behind {were} reaped")
         if ends:
             lines.append(", ".join(ends))
+        refused: list[str] = []
         for scope, why in sorted(self.refusals.items()):
             if not why:
                 continue  # the forkserver went off: its warning says why
             where = _template_files(self._scope_tests(scope))
-            lines.append(f"{where}: {NOT_A_TEMPLATE}: {why}")
+            line = f"{where}: {NOT_A_TEMPLATE}: {why}"
+            if line not in refused:  # a file's tests split over several templates
+                refused.append(line)
+        lines += refused
         lines += self._packing_lines(list_alone)
         if self.slotted:
             lines.append(

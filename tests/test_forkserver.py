@@ -964,3 +964,25 @@ def test_a_fork_that_configures_pytest_configures_it_as_a_spawned_child_does(pyt
     first = runs["spawn"][0]
     assert first["blocked"] and first["verbose"] == 1
     assert first["args"][-1].endswith("test_c0.py")
+
+
+def test_a_file_split_over_templates_that_refuse_is_named_once(pytester, fakedevice):
+    """Budgeted tests of a file fork from as many templates as run at once; where each
+    of them refuses, the summary names the file once (it said it once per template)."""
+    hook = (
+        "def pytest_spawnrun_device_state(config=None):\n"
+        "    return 'fakedevice is initialized' if fakedevice.is_initialized() else None\n"
+    )
+    pytester.makeconftest("import fakedevice\nfakedevice.init()\n" + hook)
+    pytester.makepyfile(
+        test_many="import pytest\n"
+        "@pytest.mark.parametrize('x', range(6))\n"
+        "def test_budgeted(x):\n    pass\n"
+    )
+    result = _run_fast(
+        pytester, "--spawn-gpu", "--spawn-memory", "1GiB", "--spawn-gpu-memory", "80GiB",
+        "--spawn-jobs", "3",
+    )  # fmt: skip
+    result.assert_outcomes(passed=6)
+    said = [line for line in result.stdout.lines if _reports.NOT_A_TEMPLATE in line]
+    assert said == [f"test_many.py: {_reports.NOT_A_TEMPLATE}: fakedevice is initialized"]
