@@ -65,9 +65,7 @@ def unsafe_threads() -> list[str]:
     _quiesce()
     waiting = set(_probe.waiting_for_connections())
     return [
-        name
-        for name, python in _probe.threads()
-        if not (python and name in waiting) and not (not python and name in FORK_AWARE)
+        name for name, python in _probe.threads() if name not in (waiting if python else FORK_AWARE)
     ]
 
 

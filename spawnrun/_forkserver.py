@@ -431,7 +431,9 @@ class ZygoteHolder:
         wanted = _dedupe([*plugins, *learned, *found])
         self.found = {*plugins, *found}
         self.learned = set(learned) - self.found
-        self.late = set(_learned.preloads(config)) - self.found
+        # ``check_cache`` keeps the cache's preloads only (what tests imported in their
+        # bodies); an early template adopted later adds template modules to ``learned``.
+        self.late = set(self.learned)
         self.optional = [m for m in wanted if m not in self.base and self.may_keep(m)]
         self.early = early
         if early is not None:

@@ -179,10 +179,8 @@ def start(config: pytest.Config) -> None:
         *_declared.test_file_imports(config, rootdir, _declared.paths_to_collect(config)),
     ]
     # Checked, not reported: the session does that (``_learned.check_cache``), once.
-    learned = [
-        *_learned.preloads(early),  # type: ignore[arg-type]
-        *_learned.template_modules(early),  # type: ignore[arg-type]
-    ]
+    preloads = _learned.preloads(early)  # type: ignore[arg-type]
+    learned = [*preloads, *_learned.template_modules(early)]  # type: ignore[arg-type]
     optional = [
         m
         for m in _dedupe([*found, *learned])
@@ -213,8 +211,7 @@ def start(config: pytest.Config) -> None:
         head.zygote = _forkserver.Zygote(spec, child_environ)
     except Exception:  # noqa: BLE001 - the session starts one as before, and says why
         return
-    late = set(_learned.preloads(early)) - set(found)  # type: ignore[arg-type]
-    head.zygote.preload_all(optional, head.learned, late=late)
+    head.zygote.preload_all(optional, head.learned, late=set(preloads) - set(found))
 
 
 def remember(config: pytest.Config, holder: _forkserver.ZygoteHolder) -> None:

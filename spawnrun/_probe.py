@@ -203,19 +203,14 @@ def cuda_driver_initialized() -> bool:
     return False
 
 
-def other_threads() -> list[str]:
-    """Names of this process's threads other than the calling one (Linux /proc).
+def threads() -> list[tuple[str, bool]]:
+    """This process's threads other than the calling one (Linux /proc): each one's name
+    and whether it is a Python ``threading`` thread (named as Python names it) or a
+    native one (named as its library named it, ``/proc/self/task/*/comm``).
 
     Counted from the kernel's view, so threads started by C libraries (OpenMP, MKL,
-    CUDA) count too, not only Python's ``threading`` ones; those get their Python name.
+    CUDA) count too, not only Python's ``threading`` ones.
     """
-    return [name for name, _ in threads()]
-
-
-def threads() -> list[tuple[str, bool]]:
-    """This process's threads other than the calling one: each one's name and whether
-    it is a Python ``threading`` thread (named as Python names it) or a native one (named
-    as its library named it, ``/proc/self/task/*/comm``)."""
     import threading
 
     me = threading.get_native_id()

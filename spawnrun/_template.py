@@ -99,19 +99,18 @@ def _fork_test(
     # (faulthandler reinstalls its handler only when it was unregistered first.)
     faulthandler.unregister(_leave.DUMP_SIGNAL)
     signal.signal(_leave.DUMP_SIGNAL, lambda *_: _signal_quietly(pid, _leave.DUMP_SIGNAL))
-    done_at = _wait_for_done(pid, said_done) if more else None
-    if done_at is not None:
-        _dump_own_stacks(relay)
-        if previous is not None:
-            _reap(relay, previous)
-        return _Said(pid, said_done, done_at, item.nodeid)
     try:
-        status, done, killed = _wait_for(pid, said_done)
-    finally:
+        status, done, killed = _wait_for(pid, said_done, until_done=more)
+    except BaseException:
         os.close(said_done)
+        raise
+    said_at = time.monotonic()  # its exit's time counts from here, not after the reap
     _dump_own_stacks(relay)
     if previous is not None:
         _reap(relay, previous)
+    if status is None:  # it said "done" and exits now: reaped later
+        return _Said(pid, said_done, said_at, item.nodeid)
+    os.close(said_done)
     _ended(relay, pid, status, done, killed, more)
     return None
 
@@ -153,6 +152,7 @@ def _reap(relay: Any, fork: _Said) -> None:
         status, _, killed = _wait_for(fork.pid, fork.said_done, fork.done_at)
     finally:
         os.close(fork.said_done)
+    assert status is not None  # without ``until_done`` it waits for the end
     _ended(relay, fork.pid, status, True, killed, True, fork.nodeid)
 
 
@@ -172,39 +172,16 @@ def _ended(
         os._exit(code)
 
 
-def _wait_for_done(pid: int, said_done: int) -> float | None:
-    """When the fork said "done" (its test is over and reported); None where it ended,
-    or closed its end of the pipe, without a word (``_wait_for`` tells how)."""
-    pidfd = _pidfd(pid)
-    try:
-        while True:
-            said = _said(said_done)
-            if said:
-                return time.monotonic()
-            if said is None or _exited(pid):
-                return None
-            watch = [said_done] if pidfd is None else [said_done, pidfd]
-            select.select(watch, [], [], None if pidfd is not None else 0.005)
-    finally:
-        if pidfd is not None:
-            os.close(pidfd)
-
-
-def _exited(pid: int) -> bool:
-    """Whether the fork has ended (it stays to be waited for)."""
-    try:
-        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
-    except ChildProcessError:
-        return True
-
-
-def _wait_for(pid: int, said_done: int, done_at: float | None = None) -> tuple[int, bool, bool]:
+def _wait_for(
+    pid: int, said_done: int, done_at: float | None = None, until_done: bool = False
+) -> tuple[int | None, bool, bool]:
     """The fork's wait status, whether it said "done", and whether it had to be killed.
 
     Until "done" the test runs, for as long as it takes (the parent's timeout applies);
     after it (``done_at``: it said it then), the fork gets ``FORK_EXIT_LIMIT`` to exit,
-    as a child of its own does. Waits on the fork's pidfd (no polling) where the kernel
-    has them.
+    as a child of its own does. ``until_done``: return once it said "done", its status
+    None (it is still to be waited for). Waits on the fork's pidfd (no polling) where
+    the kernel has them.
     """
     pidfd = _pidfd(pid)
     killed = heard_all = False
@@ -217,6 +194,8 @@ def _wait_for(pid: int, said_done: int, done_at: float | None = None) -> tuple[i
                 return status, done, killed
             if done_at is None and not heard_all:
                 said = _said(said_done)
+                if said and until_done:
+                    return None, True, False
                 if said:
                     done_at = time.monotonic()
                 heard_all = said is None  # its end of the pipe is closed: no word to come
