@@ -9,7 +9,10 @@ in fast mode must equal the spawned run's, first and second run.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import faithful_suites
@@ -122,6 +125,66 @@ def test_ids_drawn_from_a_stream_seeded_at_configure_are_found_in_forks(
         result.assert_outcomes(passed=9)
         result.stdout.no_fnmatch_line("*could not find*")
         result.stdout.no_fnmatch_line("*INTERNALERROR*")
+
+
+@pytest.mark.parametrize("seeded", [False, True], ids=["unseeded", "seeded-at-configure"])
+def test_numpy_and_torch_draw_in_each_fork_what_a_spawned_child_would(
+    pytester: pytest.Pytester, seeded: bool
+) -> None:
+    """numpy's global generator, and torch's default one where its build seeds it from
+    entropy, draw other values in every fresh process: each fork draws its own too
+    (before, every fork of a template drew the template's). Seeded at configure, each
+    fork draws exactly what a spawned child draws."""
+    # Not imported here: pytester forgets what a test imported, and numpy's extension
+    # cannot load twice in one process.
+    probe = subprocess.run(
+        [sys.executable, "-c", "import numpy, torch; print(torch.initial_seed())"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if probe.returncode:
+        pytest.skip("needs numpy and torch")
+    if not seeded and int(probe.stdout) == 67280421310721:
+        pytest.skip("this torch build starts every process from one fixed seed")
+    if seeded:
+        pytester.makeconftest(
+            "import numpy, torch\n"
+            "def pytest_configure(config):\n"
+            "    numpy.random.seed(7)\n    torch.manual_seed(7)\n"
+        )
+    pytester.makepyfile(
+        test_draws=(
+            "import json, os, numpy, pytest, torch\n"
+            "@pytest.mark.gpu(count=0)\n"
+            "@pytest.mark.parametrize('i', range(4))\n"
+            "def test_draw(i):\n"
+            "    with open(os.environ['DRAWS'], 'a') as f:\n"
+            "        f.write(json.dumps([i, numpy.random.rand(), torch.rand(1).item()]) + '\\n')\n"
+        )
+    )
+    draws = {}
+    for how in ("spawn", "forkserver"):
+        path = pytester.path / f"{how}.jsonl"
+        os.environ["DRAWS"] = str(path)
+        try:
+            result = pytester.runpytest_subprocess("--spawn-method", how, "-p", "no:randomly")
+        finally:
+            del os.environ["DRAWS"]
+        result.assert_outcomes(passed=4)
+        if how == "forkserver":
+            result.stdout.fnmatch_lines(["*4 forked from*"])
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        draws[how] = {i: (a, b) for i, a, b in rows}
+    for how, seen in draws.items():
+        numpy_values = {a for a, _ in seen.values()}
+        torch_values = {b for _, b in seen.values()}
+        if seeded:  # every process starts from the same seeded state
+            assert len(numpy_values) == len(torch_values) == 1, (how, seen)
+        else:
+            assert len(numpy_values) == len(torch_values) == 4, (how, seen)
+    if seeded:
+        assert draws["forkserver"] == draws["spawn"]
 
 
 @pytest.mark.parametrize("where", ["project-package", "library-under-outer-mask"])
