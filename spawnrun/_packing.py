@@ -228,6 +228,9 @@ class Plan:
     #: Why it is spawned fresh, never forked ("": fast mode may fork it): its outcome
     #: in a fork was in doubt, this run or an earlier one.
     unforked: str = ""
+    #: The failure it had forked and spawned alike in an earlier run, its file and
+    #: conftests unchanged since: the same failure in a fork counts ("": none known).
+    known_failure: str = ""
 
     @property
     def forked(self) -> bool:

@@ -318,7 +318,10 @@ class Performer(Units):
             self.interrupting = job
             return
         job.replay.emit(job.parent_error)
-        _unforked.confirmed(job.item.config, nodeid, _unforked.outcome(job.replay.reports))
+        reports = job.replay.reports
+        _unforked.confirmed(
+            job.item.config, nodeid, _unforked.outcome(reports), _unforked.failure(reports)
+        )
         session = job.item.session
         if not self.stop_told and (session.shouldfail or session.shouldstop):
             # Its report stopped the session (-x, --maxfail): the dispatcher stops after it.

@@ -145,14 +145,14 @@ def _torch_imported(torch: Any) -> None:
         value = original()
         if _torch_fresh is not None:
             _torch_fresh = torch.default_generator.initial_seed()
-        return value
+        return int(value)
 
     seed_from_entropy.__wrapped__ = original  # type: ignore[attr-defined]
     seed_from_entropy.__doc__ = original.__doc__
     torch.seed = seed_from_entropy
     random_module = sys.modules.get("torch.random")
     if random_module is not None and getattr(random_module, "seed", None) is original:
-        random_module.seed = seed_from_entropy
+        setattr(random_module, "seed", seed_from_entropy)  # noqa: B010 - a module's name
 
 
 def _numpy_imported(random_package: Any) -> None:
@@ -209,7 +209,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             spec = find(fullname, path, target)
             if spec is not None:
                 break
-        loader = getattr(spec, "loader", None)
+        loader: Any = getattr(spec, "loader", None)
         execute = getattr(loader, "exec_module", None)
         if execute is None:
             return spec

@@ -293,9 +293,14 @@ class Units(Loop):
             return False
         failed = any(r.failed for r in job.replay.reports)
         if job.forked and (failed or job.doubt):
+            failure = _unforked.failure(job.replay.reports)
+            if not job.doubt and failure and failure == job.plan.known_failure:
+                # It failed as its fork and its spawned run both did before.
+                _unforked.accepted(job.item.config, job.item.nodeid)
+                return False
             why = job.doubt or _unforked.FAILED_IN_FORK
             outcome = _unforked.outcome(job.replay.reports)
-            _unforked.note(job.item.config, job.item.nodeid, why, outcome)
+            _unforked.note(job.item.config, job.item.nodeid, why, outcome, failure)
             return True
         return failed and self._budget_guess(job)
 

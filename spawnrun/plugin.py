@@ -434,6 +434,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     learned = _learned.peaks(config) if settings.pack == "auto" else {}
     # Tests whose fork an earlier run doubted: spawned fresh, never forked.
     unforked = _unforked.remembered(config) if settings.method == "forkserver" else {}
+    known = _unforked.known_failures(config) if settings.method == "forkserver" else {}
     for item in items:
         overrides = _settings.marker_overrides(item, settings)
         item.stash[ITEM_KEY] = overrides
@@ -442,6 +443,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.nodeid in unforked:
             why = _unforked.REMEMBERED.format(why=unforked[item.nodeid])
             plan = replace(plan, unforked=why)
+        elif item.nodeid in known:
+            plan = replace(plan, known_failure=known[item.nodeid])
         item.stash[PLAN_KEY] = plan
         reason = ""
         if spawns or plan.count:

@@ -303,6 +303,51 @@ def test_what_a_spawned_child_reads_alike_keeps_the_test_forked(
     result.stdout.no_fnmatch_line("*ran again*")
 
 
+def test_a_failure_a_spawned_child_had_too_is_not_confirmed_again(
+    pytester: pytest.Pytester,
+) -> None:
+    """A test that failed forked and spawned alike fails in its fork on the next run:
+    that report counts, with no spawned run. Another failure (a message that changed),
+    or a changed file, is confirmed spawned again."""
+    tests = (
+        "import pathlib, pytest\n"
+        "pytestmark = pytest.mark.gpu(count=0)\n"
+        "def test_passes():\n    pass\n"
+        "def test_always():\n    assert 0, 'always'\n"
+        "def test_varies():\n"
+        "    assert 0, pathlib.Path(__file__).with_name('word').read_text()\n"
+    )
+    pytester.makepyfile(test_known=tests)
+    word = pytester.path / "word"
+    word.write_text("one")
+    first = pytester.runpytest_subprocess(*FAST)
+    first.assert_outcomes(passed=1, failed=2)
+    first.stdout.fnmatch_lines(
+        ["*test_always: it failed in a fork of a template (failed forked, failed spawned)"]
+    )
+    word.write_text("two")
+    second = pytester.runpytest_subprocess(*FAST)
+    second.assert_outcomes(passed=1, failed=2)
+    second.stdout.fnmatch_lines(
+        [
+            "*1 test failed in a fork as it failed spawned in an earlier run*"
+            "(the fork's report counts, not run again): test_known.py::test_always",
+            "*1 test ran again in a fresh spawned child*",
+            "*test_varies: it failed in a fork of a template (failed forked, failed spawned)",
+        ]
+    )
+    second.stdout.no_fnmatch_line("*test_always: it failed in a fork*")
+    third = pytester.runpytest_subprocess(*FAST)  # nothing changed: both known now
+    third.assert_outcomes(passed=1, failed=2)
+    third.stdout.fnmatch_lines(["*2 tests failed in a fork as they failed spawned*"])
+    third.stdout.no_fnmatch_line("*ran again*")
+    pytester.makepyfile(test_known=tests.replace("'always'", "'changed'"))
+    fourth = pytester.runpytest_subprocess(*FAST)
+    fourth.assert_outcomes(passed=1, failed=2)
+    fourth.stdout.no_fnmatch_line("*failed spawned in an earlier run*")
+    fourth.stdout.fnmatch_lines(["*2 tests ran again in a fresh spawned child*"])
+
+
 def test_a_forked_test_that_fails_is_confirmed_in_a_spawned_child(
     pytester: pytest.Pytester,
 ) -> None:
