@@ -158,6 +158,8 @@ class Relay:
         self.done = False
         #: The test being run (the spec's, then later ones of its scope).
         self.current = spec.nodeid
+        #: The last ``Go`` taken between tests (a template's spare fork takes it too).
+        self.last_go: proto.Go | None = None
         self.config: Any = None
         #: Reports of the current execution made but not yet logged, by phase.
         self.made: dict[str, Any] = {}
@@ -491,13 +493,23 @@ class Relay:
         if not isinstance(go, proto.Go) or go.nodeid not in by_id:
             return None
         item = by_id[go.nodeid]
-        problem = self._bind_parents(item, go.params)
+        problem = self.take_go(item, go)
         if problem:
             self.send(proto.Booted(os.getpid(), False, problem))
             return None
+        self.last_go = go
+        return item
+
+    def take_go(self, item: Any, go: proto.Go) -> str:
+        """``item`` bound to the parent's parameters, the parent's environment at its
+        turn taken: "" once done, else why it cannot be (a template's spare fork takes
+        its test's ``Go`` the same way)."""
+        problem = self._bind_parents(item, go.params)
+        if problem:
+            return problem
         _take_environment(go)
         self.current = go.nodeid
-        return item
+        return ""
 
     def _end_scope(self, session: Any) -> None:
         """Stopped between tests: tear the scope's fixtures down, free the devices."""
