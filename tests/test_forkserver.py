@@ -986,3 +986,76 @@ def test_a_file_split_over_templates_that_refuse_is_named_once(pytester, fakedev
     result.assert_outcomes(passed=6)
     said = [line for line in result.stdout.lines if _reports.NOT_A_TEMPLATE in line]
     assert said == [f"test_many.py: {_reports.NOT_A_TEMPLATE}: fakedevice is initialized"]
+
+
+TURNS_FILE = """
+import json, os, pytest
+
+def test_0_sets_the_turn():
+    os.environ["TURN"] = "first"
+
+@pytest.mark.gpu(count=0)
+@pytest.mark.parametrize("i", range(3))
+def test_1_forked(i):
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(json.dumps(["a", i, os.environ.get("TURN"), os.getpid(), os.getppid()]) + "\\n")
+
+def test_2_changes_it():
+    os.environ["TURN"] = "second"
+
+@pytest.mark.gpu(count=0)
+@pytest.mark.parametrize("i", range(3))
+def test_3_forked(i):
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(json.dumps(["b", i, os.environ.get("TURN"), os.getpid(), os.getppid()]) + "\\n")
+"""
+
+
+def test_a_test_forked_ahead_sees_the_environment_at_its_turn(pytester, monkeypatch):
+    # Each test after a template's first is forked while the one before runs (a spare):
+    # the parent's environment as it is at the test's turn still reaches it.
+    pytester.makepyfile(test_turns=TURNS_FILE)
+    seen = pytester.path / "seen.jsonl"
+    monkeypatch.setenv("SEEN", str(seen))
+    result = _run_fast(pytester, "--spawn-jobs", "1")
+    result.assert_outcomes(passed=8)
+    result.stdout.fnmatch_lines(["*6 forked from 1 template that collected their file*"])
+    rows = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert (
+        sorted((group, turn) for group, _, turn, _, _ in rows)
+        == [("a", "first")] * 3 + [("b", "second")] * 3
+    )
+    assert len({pid for *_, pid, _ in rows}) == 6
+    assert len({ppid for *_, ppid in rows}) == 1
+    # Nothing is left of a spare forked for a test that never came.
+    result.stdout.no_fnmatch_line("*leaked*")
+
+
+SPARE_KILLER = """
+import os, signal, time, pytest
+
+def _siblings():
+    parent = os.getppid()
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        return [int(p) for p in f.read().split() if int(p) != os.getpid()]
+
+@pytest.mark.gpu(count=0)
+@pytest.mark.parametrize("i", range(3))
+def test_x(i):
+    if i == 0:
+        deadline = time.monotonic() + 10
+        while not _siblings() and time.monotonic() < deadline:
+            time.sleep(0.01)  # the next test's spare is being forked
+        assert _siblings(), "no process was forked ahead"
+        for pid in _siblings():
+            os.kill(pid, signal.SIGKILL)
+"""
+
+
+def test_a_spare_that_ends_before_its_test_comes_is_replaced(pytester):
+    # The process forked ahead for the next test is killed: that test forks afresh.
+    pytester.makepyfile(test_spare=SPARE_KILLER)
+    result = _run_fast(pytester, "--spawn-jobs", "1")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["*3 forked from 1 template that collected their file*"])
+    result.stdout.no_fnmatch_line("*crash*")
