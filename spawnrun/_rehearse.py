@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import os
 from array import array
+from collections.abc import Callable
 
 #: A template's forks that write down their pages: the first, then every this many.
 RECORD_EVERY = 32
@@ -75,9 +76,15 @@ def record(path: str) -> None:
         os.replace(partial, path)
 
 
-def rehearse(path: str) -> int:
+#: Bytes copied between two looks at whether the test has come (``rehearse``'s ``until``).
+CHUNK = 64 * 4096
+
+
+def rehearse(path: str, until: Callable[[], bool] | None = None) -> int:
     """Copy now the pages written down at ``path`` that are private and writable here
-    too: the bytes asked for (0 where there is nothing to do, or the kernel cannot)."""
+    too: the bytes copied (0 where there is nothing to do, or the kernel cannot).
+    ``until``: asked between chunks of ``CHUNK`` bytes; True stops the rehearsal (the
+    test has come: what is left it copies as it goes, never later than without)."""
     try:
         with open(path, "rb") as f:
             ranges = array("Q")
@@ -97,11 +104,14 @@ def rehearse(path: str) -> int:
             break
         low, high = mappings[at]
         begin, end = max(start, low), min(start + length, high)
-        if begin >= end:
-            continue
-        if madvise(begin, end - begin, POPULATE_WRITE) != 0:
-            if ctypes.get_errno() == 22:  # EINVAL: a kernel before 5.14
+        while begin < end:
+            if until is not None and until():
                 return done
-            continue
-        done += end - begin
+            step = min(end - begin, CHUNK)
+            if madvise(begin, step, POPULATE_WRITE) != 0:
+                if ctypes.get_errno() == 22:  # EINVAL: a kernel before 5.14
+                    return done
+                break
+            done += step
+            begin += step
     return done

@@ -214,7 +214,8 @@ def _pages_path(relay: Any) -> str:
 def _spare(relay: Any, by_id: dict[str, Any], template: int, go_read: int, told: int) -> NoReturn:
     try:
         _probe.die_with_parent(template)
-        _rehearse.rehearse(_pages_path(relay))  # the copies its test would make, now
+        # The copies its test would make, now, until the test comes.
+        _rehearse.rehearse(_pages_path(relay), lambda: bool(select.select([go_read], [], [], 0)[0]))
         words = b""
         while True:
             chunk = os.read(go_read, 1 << 16)
