@@ -199,11 +199,11 @@ SETTINGS: tuple[Setting, ...] = (
         default=None,
         parse=parse_jobs,
         help="Most spawned tests at once (auto: every GPU filled to its cap, at most one per "
-        "core, at least one per GPU; 1 under xdist)",
+        "core, at least one per GPU; without GPUs one per core, at most 8; 1 under xdist)",
         metavar="N",
         title="children at once",
-        default_doc="every GPU filled to its cap, at most one per core, at least one per GPU "
-        "(1 under xdist)",
+        default_doc="every GPU filled to its cap, at most one per core, at least one per GPU; "
+        "without GPUs one per core, at most 8 (1 under xdist)",
     ),
     Setting(
         name="method",

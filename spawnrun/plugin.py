@@ -112,8 +112,17 @@ def pytest_configure_node(node: Any) -> None:
         node.workerinput[LEDGER_INPUT] = ledger
 
 
+#: Tests at once by default where the run has no devices: one per core, at most this.
+DEVICELESS_JOBS = 8
+
+
 def _default_jobs(gpus: int, per_gpu: int, cpus: int) -> int:
-    """Every device filled to its cap, as far as there are cores; one per GPU at least."""
+    """Every device filled to its cap, as far as there are cores; one per GPU at least.
+    Without devices, one per core (at most ``DEVICELESS_JOBS``), as tests without
+    devices (``count=0``) run beside each other on a GPU machine: a run on a machine
+    without GPUs took one test at a time, whatever its cores."""
+    if gpus == 0:
+        return max(1, min(DEVICELESS_JOBS, cpus))
     return max(1, gpus, min(gpus * per_gpu, cpus))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,32 @@ def test_gpu_tests_skip_cleanly_without_gpus(pytester, monkeypatch):
             "*needs 1 GPU, 0 available*",
         ]
     )
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_run_without_gpus_takes_a_test_per_core(pytester, monkeypatch):
+    # Tests without devices run beside each other on a GPU machine; on one without
+    # GPUs they did one at a time. Each test here waits for the other to have started.
+    monkeypatch.setenv("SPAWNRUN_GPUS", "none")
+    pytester.makepyfile(
+        """
+        import os, pathlib, time, pytest
+        @pytest.mark.gpu(count=0)
+        @pytest.mark.parametrize("me, other", [("a", "b"), ("b", "a")])
+        def test_meet(me, other):
+            here = pathlib.Path(os.environ["MEET"])
+            (here / me).touch()
+            deadline = time.monotonic() + 60
+            while not (here / other).exists():
+                assert time.monotonic() < deadline, "the other test never ran beside this one"
+                time.sleep(0.02)
+        """
+    )
+    monkeypatch.setenv("MEET", str(pytester.path))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    jobs = min(8, len(os.sched_getaffinity(0)))
+    result.stdout.fnmatch_lines([f"spawnrun: tests marked gpu run in *, up to {jobs} at once*"])
 
 
 def test_spawn_jobs_bounds_parallelism(pytester):
