@@ -991,14 +991,17 @@ def test_a_file_split_over_templates_that_refuse_is_named_once(pytester, fakedev
 TURNS_FILE = """
 import json, os, pytest
 
+def _record(group, i):
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(json.dumps([group, i, os.environ.get("TURN"), os.getpid(), os.getppid()]) + "\\n")
+
 def test_0_sets_the_turn():
     os.environ["TURN"] = "first"
 
 @pytest.mark.gpu(count=0)
 @pytest.mark.parametrize("i", range(3))
 def test_1_forked(i):
-    with open(os.environ["SEEN"], "a") as f:
-        f.write(json.dumps(["a", i, os.environ.get("TURN"), os.getpid(), os.getppid()]) + "\\n")
+    _record("a", i)
 
 def test_2_changes_it():
     os.environ["TURN"] = "second"
@@ -1006,8 +1009,7 @@ def test_2_changes_it():
 @pytest.mark.gpu(count=0)
 @pytest.mark.parametrize("i", range(3))
 def test_3_forked(i):
-    with open(os.environ["SEEN"], "a") as f:
-        f.write(json.dumps(["b", i, os.environ.get("TURN"), os.getpid(), os.getppid()]) + "\\n")
+    _record("b", i)
 """
 
 
