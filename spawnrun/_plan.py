@@ -9,6 +9,7 @@ asks the markers again.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
@@ -134,8 +135,18 @@ def _split_templates(
     consecutive tests, so that each collects only the files of its share. A template
     that would fork one test only costs a fork more than a child of its own: such a
     test has none.
+
+    A file's template is split only as far as its tests are more than a job's share of
+    the run's forked tests: each template collects the file again (kornia's files of
+    about ten tests each collected it twice with two jobs), while the other files'
+    templates keep the other jobs busy anyway. A run of one file is split as before.
     """
     split: dict[str, list[pytest.Item]] = {}
+    forked = sum(
+        len(tests)
+        for key, tests in members.items()
+        if _packing.is_template(key) and not key.endswith(RUN_TEMPLATE)
+    )
     for key, tests in members.items():
         if not _packing.is_template(key):
             split[key] = tests
@@ -148,6 +159,8 @@ def _split_templates(
         else:
             at_once = gpus // plan.count if plan.count else limit
         ways = max(1, min(limit, at_once, len(tests)))
+        if not key.endswith(RUN_TEMPLATE) and forked:
+            ways = min(ways, max(1, math.ceil(len(tests) * limit / forked - 1e-9)))
         for way in range(ways):
             if key.endswith(RUN_TEMPLATE):
                 share = tests[way * len(tests) // ways : (way + 1) * len(tests) // ways]

@@ -1061,3 +1061,33 @@ def test_a_spare_that_ends_before_its_test_comes_is_replaced(pytester):
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["*3 forked from 1 template that collected their file*"])
     result.stdout.no_fnmatch_line("*crash*")
+
+
+SHARE_FILE = """
+import json, os, pytest
+
+@pytest.mark.gpu(count=0)
+@pytest.mark.parametrize("i", range({n}))
+def test_share(i):
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(json.dumps([__name__, os.getppid()]) + "\\n")
+"""
+
+
+@pytest.mark.parametrize("files", [1, 2])
+def test_a_files_template_is_split_only_beyond_a_jobs_share(pytester, monkeypatch, files):
+    # Two jobs: one file of eight tests is split over two templates (each collects it);
+    # two files of four each keep a template each, which run side by side.
+    for k in range(files):
+        pytester.makepyfile(**{f"test_share{k}": SHARE_FILE.format(n=8 // files)})
+    seen = pytester.path / "seen.jsonl"
+    monkeypatch.setenv("SEEN", str(seen))
+    result = _run_fast(pytester, "--spawn-jobs", "2")
+    result.assert_outcomes(passed=8)
+    result.stdout.fnmatch_lines(["*8 forked from 2 templates that collected their file*"])
+    templates: dict[str, set[int]] = {}
+    for module, ppid in (json.loads(line) for line in seen.read_text().splitlines()):
+        templates.setdefault(module, set()).add(ppid)
+    assert {module: len(ppids) for module, ppids in templates.items()} == (
+        {"test_share0": 2} if files == 1 else {"test_share0": 1, "test_share1": 1}
+    )
