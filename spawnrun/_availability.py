@@ -16,6 +16,15 @@ sees (``CUDA_VISIBLE_DEVICES``: none, hidden, or at least one, which is CUDA's a
 a machine where CUDA works). The original is back before anything else runs: the
 test, and every process forked from a template, ask CUDA itself. Where the parent found
 no CUDA, or never asked, nothing changes.
+
+``torch.__config__.show()`` too: torch's build configuration, which asks CUDA whether it
+has a device (``at::show_config`` calls ``c10::cuda::device_count``, so ``cuInit``). PyG
+reads it as ``torch_geometric.typing`` is imported (``'USE_MKL=OFF' in ...show()``), so
+every configured template of PyG's suite was refused and each test configured pytest
+itself (H100, run 76). Where the parent's collection had initialized the driver, the
+parent asks it once (``config_in_parent``: nothing more is initialized), and a child
+answers with that text while it collects, where it sees a device as the parent did
+(the text's CUDA part is there exactly when CUDA has a device); else torch's own.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from typing import Any
 from spawnrun import _probe
 
 _parent: bool | None = None
+_config: list[str | None] = []
 
 
 def in_parent() -> bool:
@@ -49,13 +59,35 @@ def in_parent() -> bool:
     return _parent
 
 
-def while_collecting(parent_found: bool) -> Callable[[], None]:
-    """Answer ``torch.cuda.is_available()`` from the parent's finding until the result
-    is called (then torch's own again)."""
-    cuda: Any = getattr(sys.modules.get("torch"), "cuda", None)
+def config_in_parent() -> str | None:
+    """``torch.__config__.show()`` as the parent's torch says it, where the parent found
+    CUDA available (its driver is then initialized: asking costs nothing more); None
+    where not known. Asked once."""
+    if _config:
+        return _config[0]
+    if not in_parent():
+        return None  # nothing to say: (not yet) initialized here
+    text: str | None = None
+    try:
+        import torch.__config__  # noqa: PLC0415 - the parent's collection imported it
+
+        text = str(torch.__config__.show())
+    except Exception:  # noqa: BLE001 - an answer we cannot get is no answer
+        text = None
+    _config.append(text)
+    return text
+
+
+def while_collecting(parent_found: bool, config: str | None = None) -> Callable[[], None]:
+    """Answer ``torch.cuda.is_available()`` from the parent's finding, and
+    ``torch.__config__.show()`` with ``config``, until the result is called (then
+    torch's own again)."""
+    torch: Any = sys.modules.get("torch")
+    cuda: Any = getattr(torch, "cuda", None)
     original = getattr(cuda, "is_available", None)
     if not parent_found or original is None:
         return lambda: None
+    undo_config = _answer_config(torch, config)
 
     collecting = [True]
 
@@ -71,6 +103,32 @@ def while_collecting(parent_found: bool) -> Callable[[], None]:
         collecting[0] = False
         if cuda.is_available is is_available:
             cuda.is_available = original
+        undo_config()
+
+    return restore
+
+
+def _answer_config(torch: Any, config: str | None) -> Callable[[], None]:
+    """``torch.__config__.show()`` answered with ``config`` while collecting, where
+    this process sees a device (the parent's text then is this process's)."""
+    module: Any = getattr(torch, "__config__", None)
+    original = getattr(module, "show", None)
+    if config is None or original is None:
+        return lambda: None
+    collecting = [True]
+
+    def show() -> str:
+        if collecting[0] and sees_a_device(os.environ.get("CUDA_VISIBLE_DEVICES")):
+            return config
+        return str(original())
+
+    show.__doc__ = original.__doc__
+    module.show = show
+
+    def restore() -> None:
+        collecting[0] = False
+        if module.show is show:
+            module.show = original
 
     return restore
 

@@ -66,7 +66,7 @@ def main(
     relay = isolate(spec, conn, parent)
     os.chdir(spec.invocation_dir)
     relay.undo = [
-        _availability.while_collecting(spec.cuda_available),
+        _availability.while_collecting(spec.cuda_available, spec.torch_config),
         _metadata.while_configuring(),
         _environ.observing_boot(),  # whether its boot read its device mask
         _main.settle,  # before the test: ``__main__`` as complete as the parent's
@@ -185,7 +185,7 @@ def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
     relay = Relay(spec, None, stacks)  # type: ignore[arg-type]
     os.chdir(spec.invocation_dir)
     relay.undo = [
-        _availability.while_collecting(spec.cuda_available),
+        _availability.while_collecting(spec.cuda_available, spec.torch_config),
         _metadata.while_configuring(),
         _environ.observing_boot(),  # whether its boot read its device mask
         _main.settle,  # before the test: ``__main__`` as complete as the parent's

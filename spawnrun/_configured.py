@@ -81,6 +81,7 @@ def _kind(request: proto.ForkRequest) -> bytes | None:
         spec.late_options,
         spec.junit_family,
         spec.cuda_available,
+        spec.torch_config,
         sorted((k, v) for k, v in request.env.items() if k not in _PER_TEST),
         sorted(request.unset),
         request.live,

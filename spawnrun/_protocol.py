@@ -87,6 +87,10 @@ class ChildSpec:
     #: The parent's collection found CUDA available (``_availability``): the child
     #: answers ``torch.cuda.is_available()`` so while it collects, not the driver.
     cuda_available: bool = False
+    #: What ``torch.__config__.show()`` said in the parent, where its collection had
+    #: initialized the driver (``_availability``): the child answers it so while it
+    #: collects, for devices it sees (None: torch's own).
+    torch_config: str | None = None
     #: The run has no devices: a template's fork that said "done" holds none while it
     #: exits, and the next one is forked meanwhile (``_template``).
     deviceless: bool = False

@@ -167,6 +167,7 @@ def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> pro
         junit_family=run.junit_family,
         coverage=run.coverage,
         cuda_available=_availability.in_parent(),
+        torch_config=_availability.config_in_parent(),
         deviceless=not _inventory.active().ids,
         run_args=run.run_args,
         **test,

@@ -688,6 +688,46 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
     assert _forked(pytester, 2)
 
 
+@pytest.mark.parametrize("found", [True, False], ids=["parent-found-cuda", "parent-did-not"])
+def test_a_child_answers_torchs_build_configuration_from_the_parent_while_it_collects(
+    pytester, found
+):
+    """``torch.__config__.show()`` asks CUDA for a device (PyG reads it as
+    ``torch_geometric`` is imported), which initializes the driver in the process that
+    collects. Where the parent's collection found CUDA, a forked child answers with the
+    parent's text while it collects; torch's own before any test runs. (CI has no CUDA:
+    the parent's text is set by the inner conftest.)"""
+    pytester.makeconftest(
+        RECORD_PARENT + "from spawnrun import _availability\n"
+        f"_availability.in_parent = lambda: {found}\n"
+        "_availability.config_in_parent = lambda: 'the parent says'\n"
+    )
+    pytester.makepyfile(
+        test_x="""
+        import json, os
+        import pytest
+        import torch
+
+        AT_COLLECTION = torch.__config__.show()
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_x(x):
+            with open(f"where{x}.json", "w") as f:
+                json.dump([os.getpid(), os.getppid()], f)
+            with open(f"shown{x}.json", "w") as f:
+                json.dump([AT_COLLECTION, torch.__config__.show()], f)
+        """
+    )
+    result = _run_fast(pytester, "--spawn-jobs", "1", "--spawn-preload", "torch")
+    result.assert_outcomes(passed=2)
+    shown = [json.loads((pytester.path / f"shown{x}.json").read_text()) for x in (1, 2)]
+    for at_collection, in_test in shown:
+        assert in_test != "the parent says" and "PyTorch built with" in in_test
+        assert at_collection == ("the parent says" if found else in_test)
+    assert _forked(pytester, 2)
+
+
 @pytest.mark.parametrize(
     "visible, sees",
     [(None, True), ("0", True), ("1,0", True), ("GPU-5b1e", True), ("MIG-1a", True),
