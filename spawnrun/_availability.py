@@ -83,52 +83,50 @@ def while_collecting(parent_found: bool, config: str | None = None) -> Callable[
     ``torch.__config__.show()`` with ``config``, until the result is called (then
     torch's own again)."""
     torch: Any = sys.modules.get("torch")
-    cuda: Any = getattr(torch, "cuda", None)
-    original = getattr(cuda, "is_available", None)
-    if not parent_found or original is None:
+    if not parent_found:
         return lambda: None
-    undo_config = _answer_config(torch, config)
 
-    collecting = [True]
+    def seen() -> bool:
+        return sees_a_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
 
-    def is_available() -> bool:
-        if collecting[0]:
-            return sees_a_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
-        return bool(original())  # held by name (``from torch.cuda import ...``): torch's
-
-    is_available.__doc__ = original.__doc__
-    cuda.is_available = is_available
+    undo = [
+        _answering(getattr(torch, "cuda", None), "is_available", seen),
+        # The parent's text is this process's where it sees a device, as the parent did.
+        _answering(getattr(torch, "__config__", None), "show", lambda: config if seen() else None)
+        if config is not None
+        else (lambda: None),
+    ]
 
     def restore() -> None:
-        collecting[0] = False
-        if cuda.is_available is is_available:
-            cuda.is_available = original
-        undo_config()
+        for step in undo:
+            step()
 
     return restore
 
 
-def _answer_config(torch: Any, config: str | None) -> Callable[[], None]:
-    """``torch.__config__.show()`` answered with ``config`` while collecting, where
-    this process sees a device (the parent's text then is this process's)."""
-    module: Any = getattr(torch, "__config__", None)
-    original = getattr(module, "show", None)
-    if config is None or original is None:
+def _answering(owner: Any, name: str, answer: Callable[[], Any]) -> Callable[[], None]:
+    """``owner.name()`` answered by ``answer()`` (None: by the original) until the
+    result is called; the original after, also where held by name (``from torch.cuda
+    import is_available``)."""
+    original = getattr(owner, name, None)
+    if original is None:
         return lambda: None
     collecting = [True]
 
-    def show() -> str:
-        if collecting[0] and sees_a_device(os.environ.get("CUDA_VISIBLE_DEVICES")):
-            return config
-        return str(original())
+    def answered(*args: Any, **kwargs: Any) -> Any:
+        if collecting[0]:
+            value = answer()
+            if value is not None:
+                return value
+        return original(*args, **kwargs)
 
-    show.__doc__ = original.__doc__
-    module.show = show
+    answered.__doc__ = original.__doc__
+    setattr(owner, name, answered)
 
     def restore() -> None:
         collecting[0] = False
-        if module.show is show:
-            module.show = original
+        if getattr(owner, name, None) is answered:
+            setattr(owner, name, original)
 
     return restore
 
