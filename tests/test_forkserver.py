@@ -640,8 +640,9 @@ def test_pytests_own_plugins_for_the_template_are_those_the_parent_loaded(pytest
 
 @pytest.mark.parametrize("found", [True, False], ids=["parent-found-cuda", "parent-did-not"])
 def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects(pytester, found):
-    """A conftest or test module that asks ``torch.cuda.is_available()`` while pytest
-    collects initializes the CUDA driver in the file's template, which can then fork
+    """A conftest or test module that asks ``torch.cuda.is_available()`` (or
+    ``torch.__config__.show()``) while pytest collects initializes the CUDA driver in
+    the file's template, which can then fork
     none of its tests (timm's test_layers.py, kornia's conftest). Where the parent's own
     collection found CUDA, a forked child answers it from that finding while it
     collects, for the devices it sees, and torch answers again before any test runs.
@@ -652,6 +653,7 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
         RECORD_PARENT
         + "from spawnrun import _availability\n"
         + f"_availability.in_parent = lambda: {found}\n"
+        + "_availability.config_in_parent = lambda: 'the parent says'\n"
     )
     pytester.makepyfile(
         test_x="""
@@ -662,6 +664,7 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
         from torch.cuda import is_available
 
         AT_COLLECTION = torch.cuda.is_available()
+        SHOWN = torch.__config__.show()
         READ_AT_COLLECTION = type(next(iter(importlib.metadata.distributions()))).__name__
 
         @pytest.mark.gpu
@@ -674,6 +677,8 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
             with open(f"metadata{x}.json", "w") as f:
                 read = importlib.metadata.distributions
                 json.dump([READ_AT_COLLECTION, read.__module__, read.__qualname__], f)
+            with open(f"shown{x}.json", "w") as f:
+                json.dump([SHOWN, torch.__config__.show()], f)
         """
     )
     result = _run_fast(pytester, "--spawn-jobs", "1", "--spawn-preload", "torch")
@@ -681,50 +686,16 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
     answers = [json.loads((pytester.path / f"answers{x}.json").read_text()) for x in (1, 2)]
     # Then torch's own (no CUDA on this machine), also where held by name.
     assert answers == [[found, False, False]] * 2
-    # The installed packages as the template read them once, while configuring and
-    # collecting; importlib's own in the test.
-    metadata = [json.loads((pytester.path / f"metadata{x}.json").read_text()) for x in (1, 2)]
-    assert metadata == [["_Read", "importlib.metadata", "distributions"]] * 2
-    assert _forked(pytester, 2)
-
-
-@pytest.mark.parametrize("found", [True, False], ids=["parent-found-cuda", "parent-did-not"])
-def test_a_child_answers_torchs_build_configuration_from_the_parent_while_it_collects(
-    pytester, found
-):
-    """``torch.__config__.show()`` asks CUDA for a device (PyG reads it as
-    ``torch_geometric`` is imported), which initializes the driver in the process that
-    collects. Where the parent's collection found CUDA, a forked child answers with the
-    parent's text while it collects; torch's own before any test runs. (CI has no CUDA:
-    the parent's text is set by the inner conftest.)"""
-    pytester.makeconftest(
-        RECORD_PARENT + "from spawnrun import _availability\n"
-        f"_availability.in_parent = lambda: {found}\n"
-        "_availability.config_in_parent = lambda: 'the parent says'\n"
-    )
-    pytester.makepyfile(
-        test_x="""
-        import json, os
-        import pytest
-        import torch
-
-        AT_COLLECTION = torch.__config__.show()
-
-        @pytest.mark.gpu
-        @pytest.mark.parametrize("x", [1, 2])
-        def test_x(x):
-            with open(f"where{x}.json", "w") as f:
-                json.dump([os.getpid(), os.getppid()], f)
-            with open(f"shown{x}.json", "w") as f:
-                json.dump([AT_COLLECTION, torch.__config__.show()], f)
-        """
-    )
-    result = _run_fast(pytester, "--spawn-jobs", "1", "--spawn-preload", "torch")
-    result.assert_outcomes(passed=2)
+    # torch.__config__.show() asks CUDA for a device (PyG reads it at import): the
+    # parent's text while collecting, where the parent found CUDA; torch's own after.
     shown = [json.loads((pytester.path / f"shown{x}.json").read_text()) for x in (1, 2)]
     for at_collection, in_test in shown:
         assert in_test != "the parent says" and "PyTorch built with" in in_test
         assert at_collection == ("the parent says" if found else in_test)
+    # The installed packages as the template read them once, while configuring and
+    # collecting; importlib's own in the test.
+    metadata = [json.loads((pytester.path / f"metadata{x}.json").read_text()) for x in (1, 2)]
+    assert metadata == [["_Read", "importlib.metadata", "distributions"]] * 2
     assert _forked(pytester, 2)
 
 
@@ -1031,25 +1002,20 @@ def test_a_file_split_over_templates_that_refuse_is_named_once(pytester, fakedev
 TURNS_FILE = """
 import json, os, pytest
 
-def _record(group, i):
-    with open(os.environ["SEEN"], "a") as f:
-        f.write(json.dumps([group, i, os.environ.get("TURN"), os.getpid(), os.getppid()]) + "\\n")
-
 def test_0_sets_the_turn():
     os.environ["TURN"] = "first"
 
 @pytest.mark.gpu(count=0)
 @pytest.mark.parametrize("i", range(3))
-def test_1_forked(i):
-    _record("a", i)
+def test_1_forked(request, i):
+    group = "a" if request.node.name.startswith("test_1") else "b"
+    with open(os.environ["SEEN"], "a") as f:
+        f.write(json.dumps([group, i, os.environ.get("TURN"), os.getpid(), os.getppid()]) + "\\n")
 
 def test_2_changes_it():
     os.environ["TURN"] = "second"
 
-@pytest.mark.gpu(count=0)
-@pytest.mark.parametrize("i", range(3))
-def test_3_forked(i):
-    _record("b", i)
+test_3_forked = test_1_forked  # the same test, after the turn changed
 """
 
 
