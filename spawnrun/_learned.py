@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import keyword
+import math
 import os
 from collections.abc import Collection
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,6 +63,39 @@ MAX_LISTED = 12
 IMPORTED_KEY = pytest.StashKey[dict[str, None]]()
 
 
+#: What each learned record may be: its type, and the largest value taken (1 PiB of
+#: device memory, about 115 days, 4,096 cores). Anything else (``Infinity``, a number
+#: past any machine, a string) is dropped when read, with a warning naming the file.
+BOUNDS: dict[str, tuple[type, float]] = {
+    CACHE_PEAKS: (int, float(2**50)),
+    CACHE_DURATIONS: (float, 1e7),
+    CACHE_LOADS: (float, 4096.0),
+}
+#: Each bound in words.
+BOUNDS_SHOWN = {CACHE_PEAKS: "1 PiB", CACHE_DURATIONS: "10,000,000 s", CACHE_LOADS: "4,096 cores"}
+BAD_RECORDS = (
+    "spawnrun: pytest's cache held learned values that are no number spawnrun can use "
+    "(not finite, negative or past {bound}), dropped: the tests are measured again: "
+    "{path}: {records}"
+)
+#: The keys whose bad records this run has warned of.
+WARNED_KEY = pytest.StashKey[set[str]]()
+
+
+def valid(key: str, value: object) -> bool:
+    """Whether ``value`` is a record ``key`` may hold: a finite number of its type (an
+    int for peaks), from 0 to its bound. Never raises (a huge int is compared as an
+    int, never converted)."""
+    kind, bound = BOUNDS.get(key, (float, math.inf))
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    if kind is int and not isinstance(value, int):
+        return False
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return 0 <= value <= bound
+
+
 def peaks(config: pytest.Config) -> dict[str, int]:
     """Peaks recorded by earlier runs, node id -> bytes."""
     return {k: int(v) for k, v in _load(config, CACHE_PEAKS).items() if isinstance(v, int)}
@@ -77,16 +112,48 @@ def loads(config: pytest.Config) -> dict[str, float]:
 
 
 def _load(config: pytest.Config, key: str) -> dict[str, int | float]:
-    cache = getattr(config, "cache", None)
-    stored = cache.get(key, {}) if cache is not None else {}
-    if not isinstance(stored, dict):
+    """``key``'s valid records (``valid``); bad ones are dropped from the cache, with
+    one warning naming its file. Never raises: an unreadable cache is an empty one."""
+    try:
+        cache = getattr(config, "cache", None)
+        stored = cache.get(key, {}) if cache is not None else {}
+        if not isinstance(stored, dict):
+            return {}
+        good = {str(k): v for k, v in stored.items() if valid(key, v)}
+        bad = {str(k): v for k, v in stored.items() if not valid(key, v)}
+        if bad:
+            _drop_bad(config, key, good, bad)
+        return good
+    except Exception:  # noqa: BLE001 - learned state never breaks a run
         return {}
-    ok = (int, float)
-    return {
-        str(k): v
-        for k, v in stored.items()
-        if isinstance(v, ok) and not isinstance(v, bool) and v >= 0
-    }
+
+
+def _drop_bad(
+    config: pytest.Config, key: str, good: dict[str, int | float], bad: dict[str, object]
+) -> None:
+    warned = config.stash.setdefault(WARNED_KEY, set())
+    if key in warned:
+        return
+    warned.add(key)
+    speaks = os.environ.get("PYTEST_XDIST_WORKER", "gw0") in ("", "gw0")
+    if not speaks:
+        return
+    cache: Any = getattr(config, "cache", None)
+    with contextlib.suppress(Exception):  # a read-only cache: dropped when read, again
+        cache.set(key, good)
+    where = getattr(cache, "_cachedir", None)
+    path = str(Path(where) / "v" / key) if where else key
+    shown = [f"{nodeid} = {_shown_value(v)}" for nodeid, v in list(bad.items())[:MAX_LISTED]]
+    more = len(bad) - len(shown)
+    records = ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+    text = BAD_RECORDS.format(bound=BOUNDS_SHOWN[key], path=path, records=records)
+    _reports.record_warning(config, _reports.warning(text), "")
+
+
+def _shown_value(value: object) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > 10**12:
+        return f"an integer of {len(str(abs(value)))} digits"
+    return _short(repr(value))
 
 
 def preloads(config: pytest.Config) -> list[str]:
@@ -279,9 +346,20 @@ def store(
     cache = getattr(config, "cache", None)
     if cache is None:
         return
+    with contextlib.suppress(Exception):  # learned state never breaks a run
+        _store(config, cache, key, measured, collected)
+
+
+def _store(
+    config: pytest.Config,
+    cache: Any,
+    key: str,
+    measured: Mapping[str, float],
+    collected: Collected | None,
+) -> None:
     stored = cache.get(key, {})
     stored = stored if isinstance(stored, dict) else {}
-    merged = {**stored, **measured}
+    merged = {k: v for k, v in {**stored, **measured}.items() if valid(key, v)}
     # By file, looked at once however many tests it has: (it exists, it was wholly collected).
     files: dict[str, tuple[bool, bool]] = {}
     kept = {}

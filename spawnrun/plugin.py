@@ -720,17 +720,25 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> Generator[None, None,
     finally:
         _logging_report = False
     properties = dict(getattr(report, "user_properties", ()) or ())
-    peak = properties.get(_reports.LEARNED_PEAK)
-    if isinstance(peak, (int, float)) and report.when == "teardown":
-        # Replayed here from a child, or from an xdist worker in the controller.
-        if _peaks is not None:
-            _peaks[report.nodeid] = int(peak * 2**20)
+    if report.when != "teardown":
+        return
+    # Replayed here from a child, or from an xdist worker in the controller. A test can
+    # write these properties itself (``record_property``): only what the cache may hold
+    # is kept (``_learned.valid``).
+    peak = properties.get(_reports.LEARNED_PEAK)  # MiB
+    if isinstance(peak, (int, float)) and not isinstance(peak, bool) and _peaks is not None:
+        try:
+            measured = int(peak * 2**20)
+        except (OverflowError, ValueError):  # infinity, NaN
+            measured = -1
+        if _learned.valid(_learned.CACHE_PEAKS, measured):
+            _peaks[report.nodeid] = measured
     wall = properties.get(_reports.WALL_PROPERTY)  # a spawned test's, from its go to its end
-    if isinstance(wall, (int, float)) and report.when == "teardown" and _durations is not None:
-        _durations[report.nodeid] = float(wall)
+    if _learned.valid(_learned.CACHE_DURATIONS, wall) and _durations is not None:
+        _durations[report.nodeid] = float(wall)  # type: ignore[arg-type]
     load = properties.get(_reports.CPU_LOAD_PROPERTY)
-    if isinstance(load, (int, float)) and report.when == "teardown" and _loads is not None:
-        _loads[report.nodeid] = float(load)
+    if _learned.valid(_learned.CACHE_LOADS, load) and _loads is not None:
+        _loads[report.nodeid] = float(load)  # type: ignore[arg-type]
 
 
 @pytest.hookimpl(wrapper=True)
