@@ -31,7 +31,7 @@ ARGS = ("-p", "no:randomly", "--spawn-gpus", "2", "--spawn-gpu-memory", "80GiB")
     "key, text",
     [
         ("cpu-loads", '{"test_suite.py::test_budgeted": Infinity, "test_suite.py::test_alone": 3}'),
-        ("peaks", '{"test_suite.py::test_budgeted": %d}' % 10**400),
+        ("peaks", f'{{"test_suite.py::test_budgeted": {10**400}}}'),
         ("durations", '{"test_suite.py::test_alone": 1e308, "test_suite.py::test_budgeted": "x"}'),
     ],
     ids=["infinite-load", "huge-peak", "huge-or-text-duration"],
