@@ -303,7 +303,7 @@ class Ledger(Allocator):
                 read = self._read()
                 for device, claims in read.items():
                     for pid, need, token in claims:
-                        if _alive(int(pid)):
+                        if _alive(int(pid), _started_of(str(token))):
                             pool.held(str(device)).append(_packing.Claim(str(token), need))
                 yield pool
                 data = {
@@ -367,12 +367,18 @@ def _lock(fd: int, limit: float) -> None:
 
 
 def token_for(serial: int) -> str:
-    """A claim's token: this process's pid (the owner) and a serial number."""
-    return f"{os.getpid()}:{serial}"
+    """A claim's token: this process's pid (the owner), a serial number, and when the
+    owner started (so that another process given its pid later is not taken for it)."""
+    return f"{os.getpid()}:{serial}:{started(os.getpid()) or 0}"
 
 
 def _owner(token: str) -> int:
     return int(token.split(":", 1)[0])
+
+
+def _started_of(token: str) -> int | None:
+    parts = token.split(":")
+    return int(parts[2]) if len(parts) > 2 and parts[2].isdigit() and parts[2] != "0" else None
 
 
 def owned_here(token: str) -> bool:
@@ -380,13 +386,37 @@ def owned_here(token: str) -> bool:
     return token.split(":", 1)[0] == str(os.getpid())
 
 
-def _alive(pid: int) -> bool:
+def started(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``); None where
+    it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, started_at: int | None = None) -> bool:
+    """Whether the worker that made a claim still runs: not gone, not a zombie (a
+    worker killed with SIGKILL stays one until its parent reaps it, and its claims
+    held every other worker's tests back forever), and, where its start is known, the
+    same process (a pid given to another process since)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return True  # no /proc: the signal's word stands
+    if fields[:1] in ([b"Z"], [b"X"]):
+        return False
+    if started_at is not None and len(fields) > 19 and fields[19].isdigit():
+        return int(fields[19]) == started_at
     return True
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -108,6 +109,43 @@ def test_ledger_is_shared_between_processes(tmp_path):
     mine.give_back(["0"], _devices.token_for(1))
     mine.give_back(["1"], _devices.token_for(2))
     assert mine.take(2, ALONE, _devices.token_for(4)) == ["0", "1"]
+
+
+@pytest.mark.parametrize("how", ["zombie", "pid-reused"])
+def test_a_dead_workers_claims_are_dropped_at_once(tmp_path, how):
+    """A worker killed with SIGKILL stays a zombie of xdist's controller until reaped:
+    a liveness check by signal took it for alive, and every other worker waited for its
+    devices forever. A claim whose pid now names another process is dropped too."""
+    mine = _devices.Ledger(("0",), tmp_path)
+    code = (
+        "import os, sys; from pathlib import Path; from spawnrun import _devices;"
+        "led = _devices.Ledger(('0',), Path(sys.argv[1]));"
+        "print(led.take(1, None, _devices.token_for(1)), flush=True);"
+        "os._exit(0)"
+    )
+    if how == "zombie":
+        worker = subprocess.Popen(
+            [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        assert worker.stdout is not None and worker.stdout.readline().strip() == "['0']"
+        deadline = time.monotonic() + 30
+        while _devices.started(worker.pid) is not None and time.monotonic() < deadline:
+            with open(f"/proc/{worker.pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break  # exited, not reaped: a zombie, as a killed xdist worker is
+            time.sleep(0.01)
+        try:
+            assert mine.take(1, ALONE, _devices.token_for(2)) == ["0"]
+        finally:
+            worker.wait()
+            worker.stdout.close()
+    else:
+        # This process's pid, with another start: the claim's owner is long gone.
+        started = _devices.started(os.getpid())
+        assert started is not None
+        token = f"{os.getpid()}:7:{started - 1}"
+        (tmp_path / "ledger.json").write_text(f'{{"0": [[{os.getpid()}, null, "{token}"]]}}')
+        assert mine.take(1, ALONE, _devices.token_for(2)) == ["0"]
 
 
 def test_ledger_shares_budgets_between_processes(tmp_path):
