@@ -321,3 +321,29 @@ def test_xdist_workers_never_share_a_device_they_did_not_agree_on(pytester, mode
     # one at a time too, though two modules' children may each be alive.
     for a, b in itertools.combinations(recs, 2):
         assert not (a["start"] < b["end"] and b["start"] < a["end"]), (a, b)
+
+
+def test_a_killed_xdist_worker_does_not_hold_its_device_forever(pytester):
+    # A test kills its own xdist worker (as the OOM killer would) while it holds the
+    # only GPU: the worker stays a zombie of the controller, and its claim in the
+    # ledger was taken for alive, so the other worker waited for the device forever.
+    pytester.makepyfile(
+        """
+        import os, signal, time, pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("i", range(4))
+        def test_gpu(i):
+            if i == 0:
+                time.sleep(1)  # the other worker waits for the device by now
+                os.kill(os.getppid(), signal.SIGKILL)  # this child's worker
+                time.sleep(5)
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", "-n", "2", "--spawn-gpus", "1", timeout=120
+    )
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*worker 'gw*' crashed while running 'test_*.py::test_gpu[[]0[]]'*"]
+    )
