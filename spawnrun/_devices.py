@@ -386,15 +386,23 @@ def owned_here(token: str) -> bool:
     return token.split(":", 1)[0] == str(os.getpid())
 
 
+def _stat(pid: int) -> list[bytes] | None:
+    """``/proc/<pid>/stat``'s fields after the process's name (its state first); None
+    where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def started(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``); None where
     it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
+    fields = _stat(pid)
+    if fields is None or len(fields) <= 19 or not fields[19].isdigit():
         return None
+    return int(fields[19])
 
 
 def _alive(pid: int, started_at: int | None = None) -> bool:
@@ -408,10 +416,8 @@ def _alive(pid: int, started_at: int | None = None) -> bool:
         return False
     except PermissionError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            fields = f.read().rsplit(b")", 1)[1].split()
-    except OSError:
+    fields = _stat(pid)
+    if fields is None:
         return True  # no /proc: the signal's word stands
     if fields[:1] in ([b"Z"], [b"X"]):
         return False

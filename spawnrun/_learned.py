@@ -66,13 +66,11 @@ IMPORTED_KEY = pytest.StashKey[dict[str, None]]()
 #: What each learned record may be: its type, and the largest value taken (1 PiB of
 #: device memory, about 115 days, 4,096 cores). Anything else (``Infinity``, a number
 #: past any machine, a string) is dropped when read, with a warning naming the file.
-BOUNDS: dict[str, tuple[type, float]] = {
-    CACHE_PEAKS: (int, float(2**50)),
-    CACHE_DURATIONS: (float, 1e7),
-    CACHE_LOADS: (float, 4096.0),
+BOUNDS: dict[str, tuple[type, float, str]] = {
+    CACHE_PEAKS: (int, float(2**50), "1 PiB"),
+    CACHE_DURATIONS: (float, 1e7, "10,000,000 s"),
+    CACHE_LOADS: (float, 4096.0, "4,096 cores"),
 }
-#: Each bound in words.
-BOUNDS_SHOWN = {CACHE_PEAKS: "1 PiB", CACHE_DURATIONS: "10,000,000 s", CACHE_LOADS: "4,096 cores"}
 BAD_RECORDS = (
     "spawnrun: pytest's cache held learned values that are no number spawnrun can use "
     "(not finite, negative or past {bound}), dropped: the tests are measured again: "
@@ -86,7 +84,7 @@ def valid(key: str, value: object) -> bool:
     """Whether ``value`` is a record ``key`` may hold: a finite number of its type (an
     int for peaks), from 0 to its bound. Never raises (a huge int is compared as an
     int, never converted)."""
-    kind, bound = BOUNDS.get(key, (float, math.inf))
+    kind, bound, _ = BOUNDS.get(key, (float, math.inf, ""))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     if kind is int and not isinstance(value, int):
@@ -119,8 +117,13 @@ def _load(config: pytest.Config, key: str) -> dict[str, int | float]:
         stored = cache.get(key, {}) if cache is not None else {}
         if not isinstance(stored, dict):
             return {}
-        good = {str(k): v for k, v in stored.items() if valid(key, v)}
-        bad = {str(k): v for k, v in stored.items() if not valid(key, v)}
+        good: dict[str, int | float] = {}
+        bad: dict[str, object] = {}
+        for k, v in stored.items():
+            if valid(key, v):
+                good[str(k)] = v
+            else:
+                bad[str(k)] = v
         if bad:
             _drop_bad(config, key, good, bad)
         return good
@@ -146,7 +149,7 @@ def _drop_bad(
     shown = [f"{nodeid} = {_shown_value(v)}" for nodeid, v in list(bad.items())[:MAX_LISTED]]
     more = len(bad) - len(shown)
     records = ", ".join(shown) + (f" and {more} more" if more > 0 else "")
-    text = BAD_RECORDS.format(bound=BOUNDS_SHOWN[key], path=path, records=records)
+    text = BAD_RECORDS.format(bound=BOUNDS[key][2], path=path, records=records)
     _reports.record_warning(config, _reports.warning(text), "")
 
 

@@ -77,7 +77,7 @@ def record(path: str) -> None:
 
 
 #: Bytes copied between two looks at whether the test has come (``rehearse``'s ``until``).
-CHUNK = 64 * 4096
+CHUNK = 64 * PAGE
 
 
 def rehearse(path: str, until: Callable[[], bool] | None = None) -> int:

@@ -155,6 +155,7 @@ def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> pro
     workdir.mkdir(parents=True, exist_ok=True)
     run = config.stash[SHARED_KEY]
     live = config.getoption("capture") == "no"
+    found = _availability.in_parent()  # asked once: it may look at the driver
     return proto.ChildSpec(
         args=args,
         plugin_args=run.plugin_args,
@@ -166,8 +167,8 @@ def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> pro
         late_options=run.late_options,
         junit_family=run.junit_family,
         coverage=run.coverage,
-        cuda_available=_availability.in_parent(),
-        torch_config=_availability.config_in_parent(),
+        cuda_available=found,
+        torch_config=_availability.config_in_parent() if found else None,
         deviceless=not _inventory.active().ids,
         run_args=run.run_args,
         **test,

@@ -80,13 +80,17 @@ def known_failures(config: Any) -> dict[str, str]:
     """Tests that failed forked and spawned alike in an earlier run, their file and
     conftests unchanged since: node id -> that failure (never raises)."""
     known = {}
-    root = Path(str(config.rootpath))
     for nodeid, record in _records(config).items():
         if isinstance(record, dict):
-            path = str(root / nodeid.split("::")[0])
-            if record["signature"] and record["signature"] == _boots.signature(path, root):
+            if record["signature"] and record["signature"] == _signature(config, nodeid):
                 known[nodeid] = record["failure"]
     return known
+
+
+def _signature(config: Any, nodeid: str) -> str:
+    """The modification times of the test's file and its conftests (``_boots``)."""
+    root = Path(str(config.rootpath))
+    return _boots.signature(str(root / nodeid.split("::")[0]), root)
 
 
 def failure(reports: list[Any]) -> str:
@@ -98,8 +102,7 @@ def failure(reports: list[Any]) -> str:
         crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
         words = getattr(crash, "message", None)
         if not isinstance(words, str):
-            words = str(report.longrepr).strip().splitlines()[-1:] or [""]
-            words = words[0]
+            words = (str(report.longrepr).strip().splitlines() or [""])[-1]
         return f"{report.when}: {words}"[:FAILURE_LIMIT]
     return ""
 
@@ -129,12 +132,10 @@ def save(config: Any) -> None:
     if not run or cache is None:
         return
     kept = {k: v for k, v in _records(config).items() if k not in run}
-    root = Path(str(config.rootpath))
     for nodeid, (why, fork, spawned, fork_failed, spawned_failed) in run.items():
         alike = why == FAILED_IN_FORK and fork == spawned and fork_failed == spawned_failed
         if alike and spawned_failed:
-            path = str(root / nodeid.split("::")[0])
-            signature = _boots.signature(path, root)
+            signature = _signature(config, nodeid)
             kept[nodeid] = {"failure": spawned_failed, "signature": signature}
         else:
             kept[nodeid] = why
