@@ -36,6 +36,7 @@ from spawnrun import _protocol as proto
 from spawnrun import _stackhook
 from spawnrun import _streams
 from spawnrun import _template
+from spawnrun import _threadwatch
 from spawnrun._leave import leave
 from spawnrun._relay import Relay
 from spawnrun._relay import arm_faulthandler
@@ -59,6 +60,7 @@ def main(
 ) -> NoReturn:
     _bytecode.start()  # forked: the template's environment was replaced by the test's
     _streams.arm()  # a file's template here forks its tests with what they seeded
+    _threadwatch.arm()  # and names the import that started a thread, if one refuses
     # Measured from the start, before the suite's conftests and modules are imported.
     _coverage.start(spec.coverage, forked)
     # Before any of the suite's code: its budget caps torch when its CUDA comes up.

@@ -1,8 +1,8 @@
 """Whether forking this process now is safe: the template's rules, asked by any process.
 
 Runs in a template (before it forks its file's tests) and in a child (whether its scope
-may fork). Imports only ``_probe`` and ``_libraries``: both sides import it, so neither
-imports the other.
+may fork). Imports only ``_probe``, ``_libraries`` and ``_threadwatch``: both sides
+import it, so neither imports the other.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from spawnrun import _libraries
 from spawnrun import _probe
+from spawnrun import _threadwatch
 
 #: Native threads, by the name their library gives them, that a fork may leave behind:
 #: their library takes its own locks in a ``pthread_atfork`` handler and runs without the
@@ -27,6 +28,21 @@ FORK_AWARE = {
     "jemalloc_bg_thd": "jemalloc",
 }
 
+#: Libraries whose import starts threads that a fork cannot leave behind, and the setting
+#: they document under which those threads do not start: a refusal where one of them is
+#: imported names it. onnxruntime (1.29 on, Linux) starts its telemetry uploader's
+#: threads as its extension loads; a fork of that process has the uploader's state and
+#: not its threads (a fork that exits normally aborts joining one), and the setting is
+#: read once, at that load. The same load also skips them where ``CI``,
+#: ``GITHUB_ACTIONS`` or ``TF_BUILD`` is set.
+SETTINGS = {
+    "onnxruntime": (
+        "ORT_DISABLE_TELEMETRY",
+        "1",
+        "onnxruntime's telemetry uploader, which its import starts",
+    ),
+}
+
 
 def unsafe_state() -> str:
     """Why forking this process now would be unsafe ("" if it is safe)."""
@@ -37,17 +53,35 @@ def unsafe_state() -> str:
         return runtime
     threads = unsafe_threads()
     if threads:
-        return (
-            f"{len(threads)} other thread(s) run in it ({', '.join(sorted(set(threads)))}); "
-            "a forked child would inherit their locks but not them (OpenMP and MKL pools "
-            "then hang)"
-        )
+        return threads_reason(threads)
     return plugin_state()
 
 
-def unsafe_threads() -> list[str]:
-    """The names of this process's other threads that make a fork of it unsafe, judged
-    one by one: a thread a fork may leave behind is not among them.
+def threads_reason(threads: list[tuple[str, int]]) -> str:
+    """Why these threads (name, native id) make a fork unsafe: each name, with the
+    import that started it where that is known, and a library's setting that keeps its
+    threads from starting where one of those libraries was imported here."""
+    named = []
+    for name, tid in threads:
+        origin = _threadwatch.started_by(tid)
+        named.append(f"{name}, started as {origin} was imported" if origin else name)
+    shown = "; ".join(sorted(set(named)))
+    reason = (
+        f"{len(threads)} other thread(s) run in it ({shown}); a forked child would inherit "
+        "the locks they hold but not them (it hangs on one)"
+    )
+    for package, (variable, value, what) in SETTINGS.items():
+        if package in sys.modules and os.environ.get(variable) != value:
+            reason += (
+                f"; {what}, does not start where {variable}={value} is set (its documented "
+                "setting): set it, and these templates fork"
+            )
+    return reason
+
+
+def unsafe_threads() -> list[tuple[str, int]]:
+    """This process's other threads (name, native id) that make a fork of it unsafe,
+    judged one by one: a thread a fork may leave behind is not among them.
 
     - Libraries that handle fork themselves stop their pools when the process forks
       (OpenBLAS, which numpy loads, starts one per core at import and parks it in a
@@ -65,7 +99,9 @@ def unsafe_threads() -> list[str]:
     _quiesce()
     waiting = set(_probe.waiting_for_connections())
     return [
-        name for name, python in _probe.threads() if name not in (waiting if python else FORK_AWARE)
+        (name, tid)
+        for name, python, tid in _probe.threads()
+        if name not in (waiting if python else FORK_AWARE)
     ]
 
 

@@ -203,10 +203,10 @@ def cuda_driver_initialized() -> bool:
     return False
 
 
-def threads() -> list[tuple[str, bool]]:
-    """This process's threads other than the calling one (Linux /proc): each one's name
-    and whether it is a Python ``threading`` thread (named as Python names it) or a
-    native one (named as its library named it, ``/proc/self/task/*/comm``).
+def threads() -> list[tuple[str, bool, int]]:
+    """This process's threads other than the calling one (Linux /proc): each one's name,
+    whether it is a Python ``threading`` thread (named as Python names it) or a native
+    one (named as its library named it, ``/proc/self/task/*/comm``), and its native id.
 
     Counted from the kernel's view, so threads started by C libraries (OpenMP, MKL,
     CUDA) count too, not only Python's ``threading`` ones.
@@ -221,11 +221,11 @@ def threads() -> list[tuple[str, bool]]:
             if int(tid) == me:
                 continue
             if int(tid) in python_names:
-                found.append((python_names[int(tid)], True))
+                found.append((python_names[int(tid)], True, int(tid)))
                 continue
             try:
                 with open(f"/proc/self/task/{tid}/comm") as f:
-                    found.append((f.read().strip() or tid, False))
+                    found.append((f.read().strip() or tid, False, int(tid)))
             except OSError:
                 continue  # it just ended
     return found

@@ -39,6 +39,7 @@ from spawnrun import _protocol as proto
 from spawnrun import _stackhook
 from spawnrun import _streams
 from spawnrun import _template
+from spawnrun import _threadwatch
 from spawnrun._leave import DUMP_SIGNAL
 
 #: Plugins that run each test in a fork of the process (pytest-forked, and a local copy
@@ -427,6 +428,7 @@ class Relay:
 
     def _run(self, item: Any, nextitem: Any) -> None:
         _streams.disarm()  # forks the test makes reseed as anywhere
+        _threadwatch.disarm()  # the test imports through importlib's own loader
         _environ.watch_writes()  # a fork: what the template's imports read, rewritten?
         self.cpu_from = (_cpu_seconds(), time.monotonic())
         try:

@@ -128,15 +128,19 @@ class Summary:
             ends.append(f"{_plural(self.reaped, 'process', 'processes')} left behind {were} reaped")
         if ends:
             lines.append(", ".join(ends))
-        refused: list[str] = []
+        # Files refused for one reason share a line (kornia's 19 all imported onnxruntime).
+        refused: dict[str, list[str]] = {}
         for scope, why in sorted(self.refusals.items()):
             if not why:
                 continue  # the forkserver went off: its warning says why
-            where = _template_files(self._scope_tests(scope))
-            line = f"{where}: {NOT_A_TEMPLATE}: {why}"
-            if line not in refused:  # a file's tests split over several templates
-                refused.append(line)
-        lines += refused
+            files = refused.setdefault(why, [])
+            for nodeid in self._scope_tests(scope):
+                path = nodeid.split("::")[0]
+                if path not in files:  # a file's tests split over several templates
+                    files.append(path)
+        for why, files in refused.items():
+            where = ", ".join(files) + (f" ({len(files)} files)" if len(files) > 1 else "")
+            lines.append(f"{where or '?'}: {NOT_A_TEMPLATE}: {why}")
         lines += self._packing_lines(list_alone)
         if self.slotted:
             lines.append(
@@ -167,13 +171,6 @@ class Summary:
             if len(ranked) > peaks_shown:
                 lines.append(f"  ... and {len(ranked) - peaks_shown} more (junitxml has all)")
         return lines
-
-
-def _template_files(nodeids: list[str]) -> str:
-    """The files a template collected, for the summary ("test_a.py and 2 more files")."""
-    files = list(dict.fromkeys(n.split("::")[0] for n in nodeids)) or ["?"]
-    more = len(files) - 1
-    return files[0] + (f" and {_plural(more, 'more file')}" if more else "")
 
 
 def _plural(n: int, one: str, many: str = "") -> str:

@@ -46,11 +46,13 @@ from spawnrun import _metadata
 from spawnrun import _probe
 from spawnrun import _protocol as proto
 from spawnrun import _streams
+from spawnrun import _threadwatch
 from spawnrun._forksafe import unsafe_state
 
 
 def main(spec: proto.ZygoteSpec, conn: Connection) -> NoReturn:
     _streams.arm()  # its forks, and the configured templates', keep what code seeded
+    _threadwatch.arm()  # a refusal for a thread names the import that started it
     _probe.die_with_parent()  # and its children with it, through theirs
     os.setsid()
     fd = os.open(spec.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

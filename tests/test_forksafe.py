@@ -8,6 +8,8 @@ however ``sys.modules`` changed meanwhile.
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import types
 
@@ -67,11 +69,11 @@ def test_a_hook_that_raises_counts_as_a_device_in_use(monkeypatch):
     "threads, unsafe",
     [
         # pyarrow's jemalloc: its fork handlers take its locks; the child runs without it.
-        ([("jemalloc_bg_thd", False)], []),
+        ([("jemalloc_bg_thd", False, 11)], []),
         # A Python thread may take any name: only the native one is known.
-        ([("jemalloc_bg_thd", True)], ["jemalloc_bg_thd"]),
+        ([("jemalloc_bg_thd", True, 11)], ["jemalloc_bg_thd"]),
         # An unnamed native thread (an OpenMP pool's, a driver's): nothing known of it.
-        ([("jemalloc_bg_thd", False), ("python3", False)], ["python3"]),
+        ([("jemalloc_bg_thd", False, 11), ("python3", False, 12)], ["python3"]),
     ],
 )
 def test_threads_are_judged_one_by_one(monkeypatch, threads, unsafe):
@@ -80,4 +82,68 @@ def test_threads_are_judged_one_by_one(monkeypatch, threads, unsafe):
     monkeypatch.setattr(_forksafe._probe, "threads", lambda: threads)
     monkeypatch.setattr(_forksafe._probe, "waiting_for_connections", lambda: [])
     monkeypatch.setattr(_forksafe, "_quiesce", lambda: None)
-    assert _forksafe.unsafe_threads() == unsafe
+    assert [name for name, _ in _forksafe.unsafe_threads()] == unsafe
+
+
+#: A stand-in for onnxruntime 1.29+: its import starts a native thread (its telemetry
+#: uploader's), unless ``ORT_DISABLE_TELEMETRY=1``, the setting it documents, is set.
+NATIVE_THREAD_AT_IMPORT = """
+import ctypes, os
+if os.environ.get("ORT_DISABLE_TELEMETRY") != "1":
+    libc = ctypes.CDLL(None)
+    libc.pthread_create.argtypes = [ctypes.c_void_p] * 4
+    thread = ctypes.c_ulong()
+    libc.pthread_create(ctypes.byref(thread), None, ctypes.cast(libc.pause, ctypes.c_void_p), None)
+"""
+
+SUITE_IMPORTING_IT = """
+import json, os
+import pytest
+import onnxruntime
+
+@pytest.mark.parametrize("x", [1, 2])
+def test_x(x):
+    with open(f"{__name__}{x}.json", "w") as f:
+        json.dump([os.getpid(), os.getppid()], f)
+"""
+
+
+@pytest.mark.parametrize("setting", ["unset", "set"])
+def test_a_thread_is_named_by_the_import_that_started_it(pytester, monkeypatch, setting):
+    """A native thread has no name of its own: the refusal names the import during which
+    it started, and, for a library that documents a setting under which its threads do
+    not start, that setting; with it set, each file's template forks its tests. The
+    files refused for one reason share the summary's line."""
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    libs.mkdir()
+    (libs / "onnxruntime.py").write_text(NATIVE_THREAD_AT_IMPORT)
+    monkeypatch.setenv("PYTHONPATH", str(libs), prepend=os.pathsep)
+    if setting == "set":
+        monkeypatch.setenv("ORT_DISABLE_TELEMETRY", "1")
+    pytester.makepyfile(test_t=SUITE_IMPORTING_IT, test_u=SUITE_IMPORTING_IT)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-method", "forkserver", "--spawn-gpu", "-W", "default"
+    )
+    result.assert_outcomes(passed=4, warnings=1 if setting == "unset" else 0)
+    parents = {
+        json.loads((pytester.path / f"{name}{x}.json").read_text())[1]
+        for name in ("test_t", "test_u")
+        for x in (1, 2)
+    }
+    if setting == "set":
+        result.stdout.fnmatch_lines(["*4 tests isolated in 4 children (4 forked from 2 templates*"])
+        result.stdout.no_fnmatch_line("*other thread(s)*")
+        assert len(parents) == 2  # each file's template forked its two tests
+        return
+    named = (
+        "*1 other thread(s) run in it (python*, started as onnxruntime was imported)*"
+        "onnxruntime's telemetry uploader, which its import starts, does not start where "
+        "ORT_DISABLE_TELEMETRY=1 is set*"
+    )
+    # Left out of the library template, with the warning saying why ...
+    result.stdout.fnmatch_lines(["*forkserver leaves onnxruntime out of its template*" + named])
+    # ... and the files' own templates refused: one line says why, for both.
+    result.stdout.fnmatch_lines(
+        ["test_t.py, test_u.py (2 files): not forked from a template that collected it*" + named]
+    )
+    result.stdout.fnmatch_lines(["4 tests isolated in 4 children; boot median*"])

@@ -215,7 +215,7 @@ UNSAFE = {
     "thread": (
         "import threading, time\n"
         "threading.Thread(target=time.sleep, args=(300,), daemon=True, name='pool').start()\n",
-        "1 other thread(s) run in it (pool)",
+        "1 other thread(s) run in it (pool, started as unsafe was imported)",
     ),
 }
 
