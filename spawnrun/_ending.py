@@ -285,12 +285,25 @@ class Ending:
         return texts
 
 
+#: The session's items by node id, and the list they were taken from (it is looked up
+#: once per forked test: a walk of every item each time made a run's cost grow with the
+#: square of its size).
+_BY_ID = pytest.StashKey[tuple[list[pytest.Item], int, dict[str, pytest.Item]]]()
+
+
 def named(msg: proto.ForkEnded, item: pytest.Item) -> pytest.Item:
     """The test ``msg`` names (``item`` where it names none, or none of the session's)."""
     if not msg.nodeid or msg.nodeid == item.nodeid:
         return item
-    found = [i for i in getattr(item.session, "items", []) if i.nodeid == msg.nodeid]
-    return found[0] if found else item
+    session = item.session
+    items = getattr(session, "items", [])
+    kept = session.stash.get(_BY_ID, None)
+    if kept is None or kept[0] is not items or kept[1] != len(items):
+        by_id: dict[str, pytest.Item] = {}
+        for each in items:
+            by_id.setdefault(each.nodeid, each)  # the first of a repeated id, as before
+        kept = session.stash[_BY_ID] = (items, len(items), by_id)
+    return kept[2].get(msg.nodeid, item)
 
 
 def warn_fork_ended(item: pytest.Item, msg: proto.ForkEnded) -> None:

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 def can_move(run: Run, head: str) -> bool:
     """Whether an event will still come that may let ``head`` start."""
-    if any(c.state in MOVING for c in run.children.values()):
+    if any(c.state in MOVING for c in run.not_gone()):
         return True
     return run.peers_hold()
 
@@ -56,9 +56,8 @@ def dump(run: Run, test: str) -> str:
         "and no child or timer could change that (a scheduling bug: please report it)",
         "state:",
     ]
-    for child in run.children.values():
-        if child.state.value != "gone":
-            lines.append("  " + child.describe())
+    for child in run.not_gone():
+        lines.append("  " + child.describe())
     for tid in run.queue:
         lines.append(f"  waiting: {tid}")
     return "\n".join(lines)

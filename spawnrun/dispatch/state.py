@@ -7,7 +7,9 @@ makes the decisions on top of it.
 
 from __future__ import annotations
 
+import bisect
 import enum
+from collections.abc import Iterable
 from collections.abc import Iterator
 from dataclasses import dataclass
 from dataclasses import field
@@ -93,7 +95,16 @@ class Run:
         #: The entries whose phase is ``STARTED`` (kept by ``Entry``).
         self.started: dict[str, Entry] = {}
         self.queue: list[str] = []
+        #: Every child this run started, gone ones too (a late event names its child).
         self.children: dict[int, Child] = {}
+        #: The children not yet gone, pruned as they are looked at: what the queries
+        #: walk, many times per event (a suite of thousands of tests ran as many
+        #: children, and walking them all made each event cost as much as the run).
+        self.current: dict[int, Child] = {}
+        #: Each scope's tests in ``order``'s order, and how many at its head have ended
+        #: (an ended test stays ended): ``first_of_scope`` starts past them.
+        self.scoped: dict[str, list[str]] = {}
+        self.scope_ended: dict[str, int] = {}
         self.templates: dict[str, Child] = {}
         #: Templates that may not fork and scopes not shared after all (key -> why).
         self.refused: dict[str, str] = {}
@@ -146,7 +157,22 @@ class Run:
             self.order.append(test.id)
         elif entry.phase is Phase.KNOWN:
             entry.test = test  # the plan at its turn is the one that counts
+        if test.scope:
+            self._index_scope(test.id, test.scope)
         return entry
+
+    def _index_scope(self, tid: str, scope: str) -> None:
+        """``tid`` among its scope's tests, in ``order``'s order (a plan at its turn may
+        name another scope than the first: it is then in both; queries check)."""
+        ids = self.scoped.setdefault(scope, [])
+        if tid in ids[-1:]:
+            return
+        at = self.position[tid]
+        if not ids or self.position[ids[-1]] < at:
+            ids.append(tid)
+        elif tid not in ids:
+            bisect.insort(ids, tid, key=self.position.__getitem__)
+            self.scope_ended[scope] = 0  # counted again from the head
 
     def end(self, entry: Entry, action: ev.Action) -> None:
         if entry.phase is Phase.ENDED:
@@ -211,7 +237,7 @@ class Run:
         child.test = test.id if test is not None else ""
         child.members = list(members or [])
         child.since = self.now
-        self.children[child.id] = child
+        self.children[child.id] = self.current[child.id] = child
         if claimed:
             self.pool.take(claimed, need, f"c{child.id}")
         members_ = tuple(child.members)
@@ -254,11 +280,18 @@ class Run:
 
     # Queries -------------------------------------------------------------------------
 
+    def not_gone(self) -> list[Child]:
+        """The children not yet gone, in the order they started."""
+        gone = [i for i, c in self.current.items() if c.state is State.GONE]
+        for i in gone:
+            del self.current[i]
+        return list(self.current.values())
+
     def live_children(self) -> list[Child]:
-        return [c for c in self.children.values() if c.alive]
+        return [c for c in self.not_gone() if c.alive]
 
     def live_or_settling(self) -> Iterator[Child]:
-        return (c for c in list(self.children.values()) if c.state is not State.GONE)
+        return iter(self.not_gone())
 
     def wanted(self, test: ev.Test) -> int:
         return len(self.pool.ids) if test.every else test.count
@@ -396,7 +429,7 @@ class Run:
 
     def scope_child(self, scope: str) -> Child | None:
         serving = (State.STARTING, State.READY, State.RUNNING, State.BETWEEN)
-        found = [c for c in self.children.values() if c.scope == scope and c.state in serving]
+        found = [c for c in self.not_gone() if c.scope == scope and c.state in serving]
         found = [c for c in found if c.kind in (Kind.SCOPE, Kind.EARLY) and c.members]
         return found[-1] if found else None
 
@@ -433,10 +466,15 @@ class Run:
     def first_of_scope(self, test: ev.Test) -> bool:
         if self.scope_child(test.scope) is not None:
             return False
-        for tid in self.order:
-            entry = self.tests[tid]
+        ids = self.scoped.get(test.scope, [])
+        ended = self.scope_ended.get(test.scope, 0)
+        while ended < len(ids) and self.tests[ids[ended]].phase is Phase.ENDED:
+            ended += 1
+        self.scope_ended[test.scope] = ended
+        for at in range(ended, len(ids)):
+            entry = self.tests[ids[at]]
             if entry.test.scope == test.scope and entry.phase is not Phase.ENDED:
-                return tid == test.id
+                return ids[at] == test.id
         return False
 
     def upcoming(self, n: int) -> list[ev.Test]:
@@ -446,9 +484,9 @@ class Run:
         the next scope's child boots while a long scope still runs.
         """
         if self.told_next is not None:
-            ahead = [t for t in self.told_next if t in self.tests]
+            ahead: Iterable[str] = [t for t in self.told_next if t in self.tests]
         else:
-            ahead = self.order[self.furthest + 1 :]
+            ahead = (self.order[i] for i in range(self.furthest + 1, len(self.order)))
         out: list[ev.Test] = []
         scopes: set[str] = set()
         for tid in ahead:
