@@ -436,7 +436,8 @@ class Dispatcher(Ends):
         window = self.upcoming(self.settings.lookahead)
         if waiting:
             queued = [self.tests[t].test for t in self.queue]
-            window = [t for t in queued if not t.scope or self.first_of_scope(t)] + window
+            heads = {t.scope: self.scope_head(t.scope) for t in queued if t.scope}
+            window = [t for t in queued if not t.scope or heads[t.scope] == t.id] + window
         ahead = sum(1 for c in self.live_children() if self.is_ahead(c))
         for test in window:
             if ahead >= self.settings.lookahead:

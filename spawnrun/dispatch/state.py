@@ -101,6 +101,9 @@ class Run:
         #: walk, many times per event (a suite of thousands of tests ran as many
         #: children, and walking them all made each event cost as much as the run).
         self.current: dict[int, Child] = {}
+        #: The children that took each scope (``scope_child`` looks among them only;
+        #: gone ones are pruned as it looks, and one whose scope changed is passed over).
+        self.by_scope: dict[str, list[Child]] = {}
         #: Each scope's tests in ``order``'s order, and how many at its head have ended
         #: (an ended test stays ended): ``first_of_scope`` starts past them.
         self.scoped: dict[str, list[str]] = {}
@@ -238,6 +241,8 @@ class Run:
         child.members = list(members or [])
         child.since = self.now
         self.children[child.id] = self.current[child.id] = child
+        if scope:
+            self.by_scope.setdefault(scope, []).append(child)
         if claimed:
             self.pool.take(claimed, need, f"c{child.id}")
         members_ = tuple(child.members)
@@ -429,9 +434,13 @@ class Run:
 
     def scope_child(self, scope: str) -> Child | None:
         serving = (State.STARTING, State.READY, State.RUNNING, State.BETWEEN)
-        found = [c for c in self.not_gone() if c.scope == scope and c.state in serving]
+        took = self.by_scope.get(scope)
+        if not took:
+            return None
+        took[:] = [c for c in took if c.state is not State.GONE]
+        found = [c for c in took if c.scope == scope and c.state in serving]
         found = [c for c in found if c.kind in (Kind.SCOPE, Kind.EARLY) and c.members]
-        return found[-1] if found else None
+        return max(found, key=lambda c: c.id) if found else None  # the latest started
 
     def child_for(self, test: ev.Test) -> Child | None:
         """A child booted ahead or started early that can run ``test``."""
@@ -447,6 +456,8 @@ class Run:
                 self.dismiss(child)  # the guess was wrong: it runs nothing
                 continue
             child.test, child.scope = test.id, test.scope
+            if test.scope:
+                self.by_scope.setdefault(test.scope, []).append(child)
             child.members = self.members(test)
             return child
         return None
@@ -464,18 +475,23 @@ class Run:
         return [test.id, *later]
 
     def first_of_scope(self, test: ev.Test) -> bool:
-        if self.scope_child(test.scope) is not None:
-            return False
-        ids = self.scoped.get(test.scope, [])
-        ended = self.scope_ended.get(test.scope, 0)
+        return self.scope_head(test.scope) == test.id
+
+    def scope_head(self, scope: str) -> str:
+        """The first of ``scope``'s tests not ended, where no child serves the scope
+        ("" where one does, or none is left)."""
+        if self.scope_child(scope) is not None:
+            return ""
+        ids = self.scoped.get(scope, [])
+        ended = self.scope_ended.get(scope, 0)
         while ended < len(ids) and self.tests[ids[ended]].phase is Phase.ENDED:
             ended += 1
-        self.scope_ended[test.scope] = ended
+        self.scope_ended[scope] = ended
         for at in range(ended, len(ids)):
             entry = self.tests[ids[at]]
-            if entry.test.scope == test.scope and entry.phase is not Phase.ENDED:
-                return ids[at] == test.id
-        return False
+            if entry.test.scope == scope and entry.phase is not Phase.ENDED:
+                return ids[at]
+        return ""
 
     def upcoming(self, n: int) -> list[ev.Test]:
         """The next ``n`` tests pytest has not reached that would start a child.
