@@ -134,6 +134,9 @@ class Job:
         self.token = _devices.token_for(next(_claims))
         #: The devices it claimed (its own, or all of them for a --spawn-gpu test).
         self.claimed: list[str] = []
+        #: The most its test's process tree held on those devices at once, as sampled
+        #: while it ran (an engine process the test started, gone by its end, counts).
+        self.tree_peak: int | None = None
         #: Whether another test held one of its devices while it ran.
         self.shared = False
         #: It ran beside a test on a learned budget (a guess: ``_units.Units._again``).
@@ -489,14 +492,30 @@ class Job:
         if not self.claimed:
             return
         assert self.child is not None
+        self.sample_tree()
         pids = self.pids | set(_runner.group_members(self.child.pid))
         held = _devices.process_memory(self.claimed, pids)
+        if self.tree_peak is not None:
+            held = max(held or 0, self.tree_peak)
         if torch_peak is None and held is None:
             return
         peak = torch_peak or 0
         if held is not None:
             peak = max(peak, held - _packing.RESERVE)
         self.replay.properties.append((LEARNED_PEAK, round(peak / 2**20, 1)))
+
+    def sample_tree(self) -> None:
+        """What the test's process tree holds on its devices now (NVML's per-process
+        usage): its running peak. The tree is the test's process (a template's fork,
+        else the child) and every process below it, also one that left its session."""
+        child = self.child
+        if not self.claimed or child is None or child.gone:
+            return
+        root = self.forked_pid or child.pid
+        pids = {root} | {pid for pid, _ in _runner.process_tree(root)}
+        held = _devices.process_memory(self.claimed, pids)
+        if held is not None:
+            self.tree_peak = max(self.tree_peak or 0, held)
 
     def on_exit(self) -> None:
         """The child's sentinel fired: the process is gone (its code may follow)."""

@@ -31,6 +31,10 @@ from spawnrun._summary import Summary
 
 #: How long the loop sleeps when it watches nothing and has no deadline.
 _IDLE = 0.05
+#: How often a running test's process tree is sampled for the device memory it holds
+#: (one NVML query per claimed device, and a walk of /proc): an engine process that
+#: holds memory for a second or more is seen.
+SAMPLE_EVERY = 0.25
 
 
 class Loop(Summary):
@@ -73,6 +77,9 @@ class Loop(Summary):
         #: Children started while the parent collected, for the first tests of their
         #: files (off unless the plugin sets its limit).
         self.early = _early.Early(0)
+        #: When the running tests' process trees are next sampled for device memory
+        #: (``Job.sample_tree``; 0: none is due).
+        self.next_sample = 0.0
 
     def loop_once(self, timeout: float | None) -> None:
         """Wait for the next event (a message, an exit, a deadline) and handle it."""
@@ -102,6 +109,13 @@ class Loop(Summary):
         if zygote is not None and zygote.listening:
             events[zygote.conn] = ("zygote", zygote)
         deadlines = [j.deadline for j in self.jobs if j.deadline is not None]
+        sampled = [j for j in self.jobs if j.state is State.RUNNING and j.claimed]
+        if sampled and _devices.nvml_available():
+            if not self.next_sample:
+                self.next_sample = time.monotonic() + SAMPLE_EVERY
+            deadlines.append(self.next_sample)
+        else:
+            self.next_sample = 0.0
         deadlines += [e.deadline for e in self.endings if e.deadline is not None]
         deadlines += self._deadlines()
         if deadlines:
@@ -134,6 +148,11 @@ class Loop(Summary):
                 target.reaped()
                 self.graveyard.remove(target)
         now = time.monotonic()
+        if self.next_sample and now >= self.next_sample:
+            self.next_sample = now + SAMPLE_EVERY
+            for job in self.jobs:
+                if job.state is State.RUNNING:
+                    job.sample_tree()
         for job in list(self.jobs):
             job.on_deadline(now)
         for ending in list(self.endings):

@@ -89,9 +89,28 @@ def nvmlDeviceGetMemoryInfo(handle):
     return _Memory(_get(handle)["memory"])
 
 
+class _Process:
+    def __init__(self, pid, used):
+        self.pid, self.usedGpuMemory = pid, used
+
+
 def nvmlDeviceGetComputeRunningProcesses(handle):
+    """The processes that said they hold memory here: ``$FAKE_GPU_PROCS/<pid>`` holds
+    ``<gpu index> <bytes>``; listed while that process lives (not a zombie)."""
     _get(handle)
-    return []
+    folder = os.environ.get("FAKE_GPU_PROCS")
+    found = []
+    for name in os.listdir(folder) if folder and os.path.isdir(folder) else []:
+        try:
+            with open(os.path.join(folder, name)) as f:
+                index, used = f.read().split()
+            with open(f"/proc/{name}/stat") as f:
+                alive = f.read().rpartition(")")[2].split()[0] != "Z"
+        except (OSError, ValueError):
+            continue
+        if alive and tuple(handle) == ("gpu", int(index)):
+            found.append(_Process(int(name), int(used)))
+    return found
 
 
 def nvmlDeviceGetMigMode(handle):

@@ -1,0 +1,73 @@
+"""Device memory over a test's whole process tree (an engine process, as vLLM's).
+
+vLLM's ``LLM(...)`` starts an engine process that holds the weights and the KV cache; a
+test's own process holds next to nothing, and the engine is gone by the test's end. The
+stand-in NVML (``vendor_standins``) lists what each process says it holds, as long as it
+lives: a test is measured over every process below its child while it runs, and learns
+that peak.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+import vendor_standins as standins
+
+from spawnrun import _packing
+from spawnrun import _reports
+
+GiB = 2**30
+
+ENGINE_SUITE = """
+import os, subprocess, sys, time
+import pytest
+
+ENGINE = '''
+import os, sys, time
+with open(os.path.join(os.environ["FAKE_GPU_PROCS"], str(os.getpid())), "w") as f:
+    f.write("0 {held}")
+time.sleep(1.2)
+'''
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["child", "grandchild"])
+def test_engine(how):
+    # The engine holds the memory, and has ended before the test does.
+    code = ENGINE if how == "child" else (
+        "import subprocess, sys; subprocess.run([sys.executable, '-c', %r], check=True)" % ENGINE
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+"""
+
+
+def _peaks(xml) -> dict[str, float]:
+    found = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        for prop in case.iter("property"):
+            if prop.get("name") == _reports.LEARNED_PEAK:
+                found[case.get("name")] = float(prop.get("value"))
+    return found
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_test_learns_the_memory_its_engine_process_held(pytester, monkeypatch, method):
+    """The engine's 30 GiB are the test's peak, though its own process held nothing and
+    the engine had ended before the test's end (NVML lists only live processes)."""
+    procs = pytester.path / "procs"
+    procs.mkdir()
+    gpus = [{"uuid": "GPU-e0000000-0000", "name": "NVIDIA H100", "speed": 1, "memory": 80 * GiB}]
+    monkeypatch.setenv("FAKE_GPU_HOST", str(standins.write_host(pytester.path / "host.json", gpus)))
+    monkeypatch.setenv("FAKE_GPU_PROCS", str(procs))
+    monkeypatch.setenv("SPAWNRUN_GPUS", "auto")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pytester.makepyfile(pynvml=standins.FAKE_NVML)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path), prepend=":")
+    pytester.makepyfile(test_engine=ENGINE_SUITE.replace("{held}", str(30 * GiB)))
+    xml = pytester.path / "out.xml"
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--spawn-method", method, f"--junitxml={xml}"
+    )
+    result.assert_outcomes(passed=2)
+    want = (30 * GiB - _packing.RESERVE) / 2**20
+    assert _peaks(xml) == {"test_engine[child]": want, "test_engine[grandchild]": want}
