@@ -26,6 +26,7 @@ import time
 import pytest
 
 from spawnrun import _devices
+from spawnrun import _leftovers
 from spawnrun import _protocol as proto
 from spawnrun import _reports
 from spawnrun import _runner
@@ -92,6 +93,8 @@ class Ending:
         #: Processes left behind that were ended, from the test's death on (for the
         #: summary and a warning).
         self.reaped_count = reaped
+        #: Processes the test's process ended as it left (``_leftovers``), named already.
+        self.left_running = 0
         self.term_sent = 0.0
         #: Why the child had to be killed after its test ended ("" if it exited).
         self.stuck = ""
@@ -172,6 +175,10 @@ class Ending:
     def on_message(self, msg: proto.Message | _runner.Died) -> None:
         if isinstance(msg, proto.After):
             self.after_notes += msg.notes  # told as a warning once it is gone
+        elif isinstance(msg, proto.LeftRunning):
+            self.pids.update(msg.pids)  # their memory is waited for like the child's
+            self.left_running += len(msg.pids)
+            warn_left_running(named(msg, self.item), msg)
         elif isinstance(msg, proto.ForkEnded):
             # The template's word on this test's fork, read with its "done" (a loaded
             # parent reads both at once) or while it waits for the next test.
@@ -291,7 +298,7 @@ class Ending:
 _BY_ID = pytest.StashKey[tuple[list[pytest.Item], int, dict[str, pytest.Item]]]()
 
 
-def named(msg: proto.ForkEnded, item: pytest.Item) -> pytest.Item:
+def named(msg: proto.ForkEnded | proto.LeftRunning, item: pytest.Item) -> pytest.Item:
     """The test ``msg`` names (``item`` where it names none, or none of the session's)."""
     if not msg.nodeid or msg.nodeid == item.nodeid:
         return item
@@ -314,5 +321,15 @@ def warn_fork_ended(item: pytest.Item, msg: proto.ForkEnded) -> None:
         text = _reports.BAD_EXIT.format(code=msg.code)
     else:
         return
+    warning = _reports.warning(text, str(item.path), (item.location[1] or 0) + 1)
+    _reports.record_warning(item.config, warning, item.nodeid)
+
+
+def warn_left_running(item: pytest.Item, msg: proto.LeftRunning) -> None:
+    """Warn on ``item`` that its process found processes still running as it left."""
+    names = ", ".join(msg.processes)
+    if len(msg.pids) > len(msg.processes):
+        names += f" and {len(msg.pids) - len(msg.processes)} more"
+    text = _reports.LEFT_RUNNING.format(n=len(msg.pids), grace=_leftovers.GRACE, names=names)
     warning = _reports.warning(text, str(item.path), (item.location[1] or 0) + 1)
     _reports.record_warning(item.config, warning, item.nodeid)

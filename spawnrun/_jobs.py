@@ -178,6 +178,8 @@ class Job:
         self.left_behind: list[int] = []
         #: Processes left behind by a child that died or timed out, ended with it.
         self.reaped_count = 0
+        #: Processes a test's process ended as it left, heard here (``_leftovers``).
+        self.left_running = 0
         #: Its child once its test is over: exiting, or waiting for the scope's next test.
         self.ending: _ending.Ending | None = None
         self.phase_at_timeout = ""
@@ -397,6 +399,11 @@ class Job:
             return
         if isinstance(msg, proto.ForkEnded):  # the template's previous fork, after its test
             self._fork_ended(msg)
+            return
+        if isinstance(msg, proto.LeftRunning):  # a test's process as it left (a fork's)
+            self.pids.update(msg.pids)
+            self.left_running += len(msg.pids)
+            _ending.warn_left_running(_ending.named(msg, self.item), msg)
             return
         if isinstance(msg, proto.ForkedTest):  # its template forked the process to run it
             self.forked_pid = msg.pid

@@ -1,7 +1,8 @@
 """How a child, a fork or a template ends: the exit work that matters, not the teardown.
 
-Runs in children only. Imports only ``_coverage``: the child (``_child``) and the
-template (``_template``) both leave this way, so neither imports the other for it.
+Runs in children only. Imports only ``_coverage`` and ``_leftovers``: the child
+(``_child``) and the template (``_template``) both leave this way, so neither imports
+the other for it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import weakref
 from typing import NoReturn
 
 from spawnrun import _coverage
+from spawnrun import _leftovers
 
 #: The signal a child's threads dump their stacks on (the parent sends it before a kill).
 DUMP_SIGNAL = signal.SIGUSR1
@@ -41,6 +43,8 @@ def leave(code: int) -> NoReturn:
         _coverage.save()
         _skip_library_finalizers()
         atexit._run_exitfuncs()
+        # What the test left running, once the exit work joined what it joins.
+        _leftovers.end()
     except BaseException:  # noqa: BLE001 - nothing may keep the process alive
         code = code or 70
     for stream in (sys.stdout, sys.stderr):

@@ -295,10 +295,21 @@ class ForkEnded:
     nodeid: str = ""
 
 
+@dataclass(frozen=True)
+class LeftRunning:
+    """Processes the test's process still had below it as it left, which it then ended
+    (``_leftovers``): some of them named, and all their pids."""
+
+    nodeid: str
+    processes: list[str]
+    pids: list[int]
+
+
 Message = (
     Booted
     | ForkedTest
     | ForkEnded
+    | LeftRunning
     | Phase
     | Report
     | WarningRecord

@@ -33,6 +33,7 @@ from spawnrun import _budget
 from spawnrun import _bytecode
 from spawnrun import _environ
 from spawnrun import _forksafe
+from spawnrun import _leftovers
 from spawnrun import _libraries
 from spawnrun import _probe
 from spawnrun import _protocol as proto
@@ -176,6 +177,9 @@ class Relay:
         #: Undo what only its configuration and collection may see (``_availability``,
         #: ``_metadata``), before the test runs.
         self.undo: list[Callable[[], None]] = []
+
+    def _left_running(self, processes: list[str], pids: list[int]) -> None:
+        self.send(proto.LeftRunning(self.current, processes, pids))
 
     def send(self, msg: proto.Message) -> None:
         # Plain data only, whatever the test put in it (a tensor, an instance of a class
@@ -429,6 +433,9 @@ class Relay:
     def _run(self, item: Any, nextitem: Any) -> None:
         _streams.disarm()  # forks the test makes reseed as anywhere
         _threadwatch.disarm()  # the test imports through importlib's own loader
+        if _leftovers.tell is None:  # what the test leaves running is its process's
+            _leftovers.adopt()
+            _leftovers.tell = self._left_running
         _environ.watch_writes()  # a fork: what the template's imports read, rewritten?
         self.cpu_from = (_cpu_seconds(), time.monotonic())
         try:

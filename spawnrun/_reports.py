@@ -37,6 +37,11 @@ PIPE_CLOSED = (
 UNREADABLE = "what it sent the parent cannot be read"
 TIMEOUT = "Timeout"
 REAPED = "spawnrun: reaped {n} process(es) left behind by this test"
+#: What the test's own process found still running below it as it left (``_leftovers``).
+LEFT_RUNNING = (
+    "spawnrun: this test left {n} process(es) running, ended as its process left "
+    "(SIGTERM, then SIGKILL after {grace:g} s): {names}"
+)
 NO_PROC = (
     "spawnrun: /proc is not mounted: processes that spawned tests leave behind cannot be "
     "found, so they are neither ended nor counted (mount /proc to have them reaped)"

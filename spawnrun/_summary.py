@@ -67,7 +67,7 @@ class Summary:
         self.replaced += bool(job.replaced)
         self.crashes += job.crashes
         self.timeouts += job.timeouts
-        self.reaped += job.reaped_count
+        self.reaped += job.reaped_count + job.left_running
         if job.claimed:
             if job.shared:
                 self.shared += 1

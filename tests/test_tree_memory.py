@@ -9,6 +9,8 @@ that peak.
 
 from __future__ import annotations
 
+import os
+import signal
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -71,3 +73,67 @@ def test_a_test_learns_the_memory_its_engine_process_held(pytester, monkeypatch,
     result.assert_outcomes(passed=2)
     want = (30 * GiB - _packing.RESERVE) / 2**20
     assert _peaks(xml) == {"test_engine[child]": want, "test_engine[grandchild]": want}
+
+
+LEAVES_RUNNING = """
+import os, subprocess, sys, time
+import pytest
+
+def test_leaves_two(tmp_path):
+    # A child it never waits for, and a grandchild in a session of its own whose
+    # parent has ended: re-parented to init, it would escape every group and session.
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)  # left-child"])
+    subprocess.run(
+        ["sh", "-c", "setsid " + sys.executable + " -c 'import time; time.sleep(301)' &"],
+        check=True,
+    )
+    time.sleep(0.3)  # the shell has ended; its orphan runs on
+
+def test_clean():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+"""
+
+
+def _running(marker: str) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_what_a_test_leaves_running_is_ended_and_named(pytester, method):
+    """Nothing a test starts outlives its process, also not a grandchild that left for a
+    session of its own after its parent ended; the warning names them, on their test."""
+    pytester.makepyfile(test_leaves=LEAVES_RUNNING)
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--spawn-method",
+        method,
+        "--spawn-gpu",
+        "-W",
+        "default",
+        "-W",
+        "ignore::ResourceWarning",  # the test's own: it never waits for its Popen
+    )
+    try:
+        result.assert_outcomes(passed=2, warnings=1)
+        result.stdout.fnmatch_lines(
+            [
+                "*test_leaves.py::test_leaves_two*",
+                "*this test left 2 process(es) running, ended as its process left*"
+                "time.sleep(300)  # left-child*time.sleep(301)*",
+            ]
+        )
+        result.stdout.fnmatch_lines(["*2 processes left behind were reaped*"])
+    finally:
+        left = _running("time.sleep(30")
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == []
