@@ -59,6 +59,11 @@ def in_parent() -> bool:
     return _parent
 
 
+def known() -> bool:
+    """Whether the parent's finding is known (its collection asked)."""
+    return _parent is not None or in_parent()
+
+
 def config_in_parent() -> str | None:
     """``torch.__config__.show()`` as the parent's torch says it, where the parent found
     CUDA available (its driver is then initialized: asking costs nothing more); None
@@ -141,3 +146,87 @@ def sees_a_device(visible: str | None) -> bool:
     if first.startswith(("GPU-", "MIG-")):
         return True
     return first.isdigit()
+
+
+class WhileImporting:
+    """The library template (the zygote) answers ``torch.cuda.is_available()`` and
+    ``torch.__config__.show()`` from the parent's finding while it imports what the
+    parent's collection imported, as a child does while it collects.
+
+    torch's own inductor asks at import (``torch._inductor.runtime.benchmarking``, torch
+    2.11): with CUDA's real answer the template initialized the driver, and the whole
+    torch package was left out of it, so every test of kornia's suite configured pytest
+    importing torch itself (7 s boots on an H200). The answer is the one for the devices
+    the template sees, fixed before it imports (reading the mask then is no module's
+    read). A test whose devices would answer otherwise (it sees none) is not forked from
+    the template (``differs``): a spawned child imports those modules itself.
+    """
+
+    def __init__(self, parent_found: bool, config: str | None) -> None:
+        self.parent_found = parent_found
+        self.config = config
+        self.sees = sees_a_device(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        self.undo: list[Callable[[], None]] = []
+
+    def ensure(self) -> None:
+        """Answer from now on: at once where torch is imported, else as its import ends
+        (a library that imports torch and asks at once)."""
+        if self.undo or not self.parent_found:
+            return
+        torch: Any = sys.modules.get("torch")
+        if torch is None:
+            from spawnrun import _streams  # noqa: PLC0415 - armed in the template
+
+            self.undo = [_streams.also_after("torch", self._answer)]
+            return
+        self._answer(torch)
+
+    def _answer(self, torch: Any) -> None:
+
+        def available() -> bool:
+            global template_answer
+            template_answer = self.sees
+            return self.sees
+
+        def shown() -> str | None:
+            global template_answer
+            if self.config is not None and self.sees:
+                template_answer = self.sees
+                return self.config
+            return None
+
+        self.undo += [
+            _answering(getattr(torch, "cuda", None), "is_available", available),
+            _answering(getattr(torch, "__config__", None), "show", shown),
+        ]
+
+    def restore(self) -> None:
+        for step in self.undo:
+            step()
+        self.undo = []
+
+
+#: What the library template answered while it imported, where one of its imports
+#: asked (None: none asked): a fork whose devices answer otherwise is declined.
+template_answer: bool | None = None
+
+
+def differs(visible: str | None, parent_found: bool) -> str:
+    """Why a fork with this ``CUDA_VISIBLE_DEVICES`` may not come from the library
+    template, the parent having found CUDA available or not ("" where it may)."""
+    if template_answer is None:
+        return ""
+    if parent_found and sees_a_device(visible) == template_answer:
+        return ""
+    if not parent_found and not template_answer:
+        return ""
+    said = "available" if template_answer else "not available"
+    return (
+        f"a module imported in the template asked torch.cuda.is_available() there and was "
+        f"answered {said}; for this test ({_shown(visible)}, CUDA "
+        f"{'found' if parent_found else 'not found'} by the parent) it answers otherwise"
+    )
+
+
+def _shown(visible: str | None) -> str:
+    return "CUDA_VISIBLE_DEVICES unset" if visible is None else f"CUDA_VISIBLE_DEVICES={visible!r}"

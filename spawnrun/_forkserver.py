@@ -40,9 +40,11 @@ from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any
 
+from spawnrun import _availability
 from spawnrun import _bytecode
 from spawnrun import _coverage
 from spawnrun import _declared
+from spawnrun import _inventory
 from spawnrun import _learned
 from spawnrun import _main
 from spawnrun import _probe
@@ -50,6 +52,7 @@ from spawnrun import _protocol as proto
 from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _settings
+from spawnrun import _vendors
 from spawnrun._libraries import is_library
 from spawnrun._libraries import library_modules
 from spawnrun._libraries import project_dirs
@@ -95,6 +98,32 @@ SLOW_REMEMBERED = (
 )
 #: How many times a template is rebuilt without a package that made it unsafe.
 RETRIES = 3
+
+
+def _found() -> dict[str, Any]:
+    """What the template answers for CUDA while it imports (``Preload.cuda_available``):
+    the parent's finding, where its collection asked; before that (a template started
+    while pytest configures), the inventory's guess: NVIDIA devices were found. Each
+    fork checks the answer against the parent's finding by then (``_availability.differs``
+    with the test's spec): a wrong guess spawns tests, it never forks a wrong answer."""
+    if _availability.known():
+        found = _availability.in_parent()
+        config = _availability.config_in_parent() if found else None
+        return {"cuda_available": found, "torch_config": config}
+    active = _inventory.active()
+    if active.ids:
+        guess = active.vendor == "nvidia"
+    else:  # pytest is still configuring: the inventory is not taken yet
+        guess = _nvml_lists_a_device()
+    return {"cuda_available": guess, "torch_config": None}
+
+
+def _nvml_lists_a_device() -> bool:
+    nvml = _vendors.load_nvml()  # the driver's management library: no CUDA context
+    try:
+        return nvml is not None and int(nvml.nvmlDeviceGetCount()) > 0
+    except Exception:  # noqa: BLE001 - no answer is no device
+        return False
 
 
 class Zygote:
@@ -146,7 +175,7 @@ class Zygote:
         rewrite: proto.Rewrite | None = None,
     ) -> None:
         with contextlib.suppress(OSError):
-            self.conn.send(proto.Preload(modules, path, rewrite))
+            self.conn.send(proto.Preload(modules, path, rewrite, **_found()))
             self.pending += 1
 
     def preload_all(
@@ -166,7 +195,7 @@ class Zygote:
         if guessed:
             with contextlib.suppress(OSError):
                 later = frozenset(m for m in guessed if m in late)
-                self.conn.send(proto.Preload(guessed, learned=True, late=later))
+                self.conn.send(proto.Preload(guessed, learned=True, late=later, **_found()))
                 self.pending += 1
 
     @property

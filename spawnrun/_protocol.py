@@ -369,6 +369,11 @@ class Preload:
     #: conftest, plugin or test file's import line names them: what they read of the
     #: environment at import, a spawned child reads after its fixtures (``_environ.LATE``).
     late: frozenset[str] = frozenset()
+    #: The parent's collection found CUDA available (``_availability.in_parent``), and
+    #: torch's build configuration as it said it: the template answers with them while
+    #: it imports (``_availability.WhileImporting``).
+    cuda_available: bool = False
+    torch_config: str | None = None
 
 
 @dataclass(frozen=True)

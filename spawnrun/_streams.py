@@ -188,7 +188,29 @@ def _noticing_numpy(function: Any, name: str) -> Any:
 
 
 #: What to do once a module's import ended: name -> callback(module).
-_AFTER = {"torch": _torch_imported, "numpy.random": _numpy_imported}
+_AFTER: dict[str, Any] = {"torch": _torch_imported, "numpy.random": _numpy_imported}
+
+
+def also_after(name: str, callback: Any) -> Any:
+    """Run ``callback(module)`` too once ``name``'s import ends (after this module's own
+    work), until the returned function is called. Only where armed (a template)."""
+    before = _AFTER.get(name)
+
+    def both(module: Any) -> None:
+        if before is not None:
+            before(module)
+        callback(module)
+
+    _AFTER[name] = both
+
+    def undo() -> None:
+        if _AFTER.get(name) is both:
+            if before is None:
+                del _AFTER[name]
+            else:
+                _AFTER[name] = before
+
+    return undo
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -38,6 +38,7 @@ from typing import NoReturn
 import pytest
 from _pytest.assertion.rewrite import AssertionRewritingHook
 
+from spawnrun import _availability
 from spawnrun import _child
 from spawnrun import _configured
 from spawnrun import _environ
@@ -144,7 +145,11 @@ class _Template:
         self.pool = _configured.Pool()
 
     def load(
-        self, modules: list[str], learned: bool = False, late: frozenset[str] = frozenset()
+        self,
+        modules: list[str],
+        learned: bool = False,
+        late: frozenset[str] = frozenset(),
+        answers: _availability.WhileImporting | None = None,
     ) -> None:
         """Import ``modules`` in order, checking safety after each top-level package.
 
@@ -160,8 +165,14 @@ class _Template:
         for name in modules:
             groups.setdefault(name.partition(".")[0], []).append(name)
         with _rewriting(self.rewriter), _openmp_waits_passively(), _collector_paused():
-            with _environ.observing():
-                imported, culprit, suspects = self._import(groups, failed, learned, late)
+            try:
+                with _environ.observing():
+                    imported, culprit, suspects = self._import(
+                        groups, failed, learned, late, answers
+                    )
+            finally:
+                if answers is not None:
+                    answers.restore()  # its forks ask CUDA themselves
             if learned:
                 self.conn.send(proto.Importing("", time.monotonic()))
             _metadata.snapshot()  # each fork's pytest reads the installed packages from it
@@ -182,6 +193,7 @@ class _Template:
         failed: list[str],
         learned: bool,
         late: frozenset[str] = frozenset(),
+        answers: _availability.WhileImporting | None = None,
     ) -> tuple[bool, str, list[str]]:
         """Import each package's modules; (whether any was imported, the culprit, the
         suspects: the packages imported with the one that made forking unsafe)."""
@@ -197,6 +209,8 @@ class _Template:
                 self.conn.send(proto.Importing(top, time.monotonic()))
             before = {m.partition(".")[0] for m in sys.modules}
             for name in names:
+                if answers is not None:
+                    answers.ensure()  # once torch is imported
                 try:
                     with _environ.reading_late(name if name in late else ""):
                         importlib.import_module(name)
@@ -256,7 +270,10 @@ class _Template:
                 if stale:
                     self.conn.send(proto.ZygoteReady(os.getpid(), stale=stale))
                 else:
-                    self.load(request.modules, request.learned, request.late)
+                    answers = _availability.WhileImporting(
+                        request.cuda_available, request.torch_config
+                    )
+                    self.load(request.modules, request.learned, request.late, answers)
             elif isinstance(request, proto.Prime):
                 if not self.refusal:
                     self.pool.prime(request.request, lambda r: self._configure(r, []), request.wait)
@@ -282,6 +299,11 @@ class _Template:
         handles = [fd, *streams]
         final = _environ.final_environment(request.env, request.unset)
         package, why = _environ.conflict(final)
+        if not why:
+            # No package to leave out: it asked CUDA, which most tests' devices answer so.
+            why = _availability.differs(
+                final.get("CUDA_VISIBLE_DEVICES"), request.spec.cuda_available
+            )
         if why:  # its view of what was imported here would not be a spawned child's
             for handle in handles:
                 os.close(handle)

@@ -699,6 +699,67 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
     assert _forked(pytester, 2)
 
 
+def test_the_library_template_answers_is_available_as_a_collecting_child_does(
+    pytester, monkeypatch
+):
+    """A library that asks ``torch.cuda.is_available()`` as it is imported (torch's own
+    inductor does, torch 2.11) initialized the driver in the library template, and its
+    whole package (torch, there) was left out: every test imported it itself. The
+    template answers from the parent's finding while it imports, as a collecting child
+    does; a test whose devices answer otherwise (none) is spawned, and says why. (CI has
+    no CUDA: the parent's finding is set by the inner conftest.)"""
+    _libraries(
+        pytester,
+        monkeypatch,
+        seeslib="import torch\nAT_IMPORT = torch.cuda.is_available()\n",
+    )
+    pytester.makeconftest(
+        RECORD_PARENT
+        + "from spawnrun import _availability\n"
+        + "_availability.in_parent = lambda: True\n"
+        + "_availability.config_in_parent = lambda: 'the parent says'\n"
+    )
+    pytester.makepyfile(
+        test_x="""
+        import importlib, json, os
+        import pytest
+        import torch
+
+        seeslib = importlib.import_module("seeslib")  # no import line names it
+
+        def _record(name):
+            with open(f"{name}.json", "w") as f:
+                json.dump([seeslib.AT_IMPORT, torch.cuda.is_available()], f)
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("x", [1, 2])
+        def test_x(x):
+            with open(f"where{x}.json", "w") as f:
+                json.dump([os.getpid(), os.getppid()], f)
+            _record(f"answers{x}")
+
+        @pytest.mark.gpu(count=0)
+        def test_sees_none():
+            _record("answers0")
+        """
+    )
+    result = _run_fast(
+        pytester, "--spawn-jobs", "1", "--spawn-template", "library", "-W", "default"
+    )
+    result.assert_outcomes(passed=3)
+    result.stdout.no_fnmatch_line("*leaves*out of its template*")
+    answers = {x: json.loads((pytester.path / f"answers{x}.json").read_text()) for x in (0, 1, 2)}
+    # The parent's finding at import, where a device is seen; torch's own in the test.
+    assert answers == {0: [False, False], 1: [True, False], 2: [True, False]}
+    assert _forked(pytester, 2)
+    result.stdout.fnmatch_lines(
+        [
+            "*1 test spawned, not forked: a module imported in the template asked "
+            "torch.cuda.is_available() there*test_x.py::test_sees_none*"
+        ]
+    )
+
+
 @pytest.mark.parametrize(
     "visible, sees",
     [(None, True), ("0", True), ("1,0", True), ("GPU-5b1e", True), ("MIG-1a", True),
