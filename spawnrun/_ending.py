@@ -93,8 +93,6 @@ class Ending:
         #: Processes left behind that were ended, from the test's death on (for the
         #: summary and a warning).
         self.reaped_count = reaped
-        #: Processes the test's process ended as it left (``_leftovers``), named already.
-        self.left_running = 0
         self.term_sent = 0.0
         #: Why the child had to be killed after its test ended ("" if it exited).
         self.stuck = ""
@@ -177,7 +175,6 @@ class Ending:
             self.after_notes += msg.notes  # told as a warning once it is gone
         elif isinstance(msg, proto.LeftRunning):
             self.pids.update(msg.pids)  # their memory is waited for like the child's
-            self.left_running += len(msg.pids)
             warn_left_running(named(msg, self.item), msg)
         elif isinstance(msg, proto.ForkEnded):
             # The template's word on this test's fork, read with its "done" (a loaded
@@ -325,8 +322,15 @@ def warn_fork_ended(item: pytest.Item, msg: proto.ForkEnded) -> None:
     _reports.record_warning(item.config, warning, item.nodeid)
 
 
+#: How many processes tests' processes ended as they left (``_leftovers``), for the
+#: summary's count of what was reaped: told to whichever job or ending listened then.
+LEFT_RUNNING_KEY = pytest.StashKey[int]()
+
+
 def warn_left_running(item: pytest.Item, msg: proto.LeftRunning) -> None:
     """Warn on ``item`` that its process found processes still running as it left."""
+    config = item.config
+    config.stash[LEFT_RUNNING_KEY] = config.stash.get(LEFT_RUNNING_KEY, 0) + len(msg.pids)
     names = ", ".join(msg.processes)
     if len(msg.pids) > len(msg.processes):
         names += f" and {len(msg.pids) - len(msg.processes)} more"

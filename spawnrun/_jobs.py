@@ -178,8 +178,6 @@ class Job:
         self.left_behind: list[int] = []
         #: Processes left behind by a child that died or timed out, ended with it.
         self.reaped_count = 0
-        #: Processes a test's process ended as it left, heard here (``_leftovers``).
-        self.left_running = 0
         #: Its child once its test is over: exiting, or waiting for the scope's next test.
         self.ending: _ending.Ending | None = None
         self.phase_at_timeout = ""
@@ -220,6 +218,16 @@ class Job:
     def guessed(self) -> bool:
         """It runs on a budget the run learned (a guess, not the user's promise)."""
         return self.plan.learned and self.plan.need is not _packing.ALONE and bool(self.claimed)
+
+    @property
+    def tree_over_guess(self) -> bool:
+        """Its process tree held more than its learned budget (an engine process grew
+        since the peak was learned, beyond torch's cap in the child): the guess was
+        wrong, whatever the outcome."""
+        need = self.plan.need
+        if not self.guessed or need is None or self.tree_peak is None:
+            return False
+        return self.tree_peak - _packing.RESERVE > need
 
     def env(self) -> dict[str, str]:
         return _starting.child_env(self.item.config, self.plan, self.devices, self.capacity)
@@ -402,7 +410,6 @@ class Job:
             return
         if isinstance(msg, proto.LeftRunning):  # a test's process as it left (a fork's)
             self.pids.update(msg.pids)
-            self.left_running += len(msg.pids)
             _ending.warn_left_running(_ending.named(msg, self.item), msg)
             return
         if isinstance(msg, proto.ForkedTest):  # its template forked the process to run it

@@ -189,7 +189,7 @@ class Loop(Summary):
         """A test's child is gone and its devices released: what it did is counted."""
         del self.endings[ending]
         self._give_back(ending)
-        self.reaped += ending.reaped_count + ending.left_running
+        self.reaped += ending.reaped_count
         self._count(job)
         if ending.settled_after > 1.0:
             self.long_settles.append((job.item.nodeid, ending.settled_after))
@@ -237,7 +237,7 @@ class Loop(Summary):
                 ending.child.kill()
                 self.graveyard.append(ending.child)
             self._give_back(ending)
-            self.reaped += ending.reaped_count + ending.left_running
+            self.reaped += ending.reaped_count
             self._count(owner)
         self.jobs, self.endings = [], {}
         end = time.monotonic() + 2.0  # for all of them together: SIGKILL is quick

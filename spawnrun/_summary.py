@@ -67,7 +67,7 @@ class Summary:
         self.replaced += bool(job.replaced)
         self.crashes += job.crashes
         self.timeouts += job.timeouts
-        self.reaped += job.reaped_count + job.left_running
+        self.reaped += job.reaped_count
         if job.claimed:
             if job.shared:
                 self.shared += 1
@@ -152,8 +152,8 @@ class Summary:
             shown = ", ".join(self.again[:10]) + (" ..." if len(self.again) > 10 else "")
             lines.append(
                 f"{_plural(len(self.again), 'test')} failed on a learned budget, or beside "
-                "one, and ran again alone (the second run's outcome counts; its peak is "
-                f"recorded): {shown}"
+                "one, or held more than it over its process tree, and ran again alone (the "
+                f"second run's outcome counts; its peak is recorded): {shown}"
             )
         if self.out_of_order:
             shown = ", ".join(self.out_of_order[:10])

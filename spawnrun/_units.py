@@ -302,12 +302,15 @@ class Units(Loop):
             outcome = _unforked.outcome(job.replay.reports)
             _unforked.note(job.item.config, job.item.nodeid, why, outcome, failure)
             return True
-        return failed and self._budget_guess(job)
+        return self._budget_guess(job)
 
     def _budget_guess(self, job: Job) -> bool:
-        """Whether it failed where a learned budget may be to blame (it runs again
-        alone, with none)."""
+        """Whether it failed where a learned budget may be to blame, or its process tree
+        held more than that budget (it runs again alone, with none: that run's peak is
+        what is learned)."""
         failed = any(r.failed for r in job.replay.reports)
+        if self.guessing and job.tree_over_guess:
+            return True
         return self.guessing and failed and (job.guessed or job.beside_guess)
 
     def _start_error(self, job: Job) -> str:

@@ -28,6 +28,7 @@ from spawnrun import _child
 from spawnrun import _cudawatch
 from spawnrun import _devices
 from spawnrun import _early
+from spawnrun import _ending
 from spawnrun import _forkserver
 from spawnrun import _headstart
 from spawnrun import _heap
@@ -648,6 +649,9 @@ def _summary_lines(config: pytest.Config) -> list[str]:
     auto = settings is not None and settings.pack == "auto"
     if auto and _settings.source_of(config, "pack") == "the default":
         auto = bool(_learned.peaks(config))
+    if scheduler is not None:  # what tests' processes ended as they left counts too
+        scheduler.reaped += config.stash.get(_ending.LEFT_RUNNING_KEY, 0)
+        config.stash[_ending.LEFT_RUNNING_KEY] = 0
     lines = scheduler.summary(list_alone=auto) if scheduler is not None else []
     holder = config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:

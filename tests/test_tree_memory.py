@@ -137,3 +137,49 @@ def test_what_a_test_leaves_running_is_ended_and_named(pytester, method):
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+GROWING_ENGINE = """
+import os, subprocess, sys
+import pytest
+
+ENGINE = '''
+import os, sys, time
+with open(os.path.join(os.environ["FAKE_GPU_PROCS"], str(os.getpid())), "w") as f:
+    f.write("0 " + os.environ["ENGINE_HOLDS"])
+time.sleep(1.2)
+'''
+
+@pytest.mark.gpu
+def test_engine():
+    subprocess.run([sys.executable, "-c", ENGINE], check=True)
+"""
+
+
+def test_a_process_tree_over_its_learned_budget_runs_again_alone(pytester, monkeypatch):
+    """The engine held 2 GiB when its peak was learned; it holds 10 GiB now, beyond the
+    learned budget (no cap reaches a process the test started): the test runs again
+    alone, though it passed, and that run's peak is what is learned."""
+    procs = pytester.path / "procs"
+    procs.mkdir()
+    gpus = [{"uuid": "GPU-e0000000-0000", "name": "NVIDIA H100", "speed": 1, "memory": 80 * GiB}]
+    monkeypatch.setenv("FAKE_GPU_HOST", str(standins.write_host(pytester.path / "host.json", gpus)))
+    monkeypatch.setenv("FAKE_GPU_PROCS", str(procs))
+    monkeypatch.setenv("SPAWNRUN_GPUS", "auto")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pytester.makepyfile(pynvml=standins.FAKE_NVML)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path), prepend=":")
+    pytester.makepyfile(test_engine=GROWING_ENGINE)
+    peaks = []
+    for run, holds in enumerate((2 * GiB, 10 * GiB, 10 * GiB)):
+        monkeypatch.setenv("ENGINE_HOLDS", str(holds))
+        xml = pytester.path / f"run{run}.xml"
+        result = pytester.runpytest_subprocess(f"--junitxml={xml}")
+        result.assert_outcomes(passed=1)
+        again = "*1 test failed on a learned budget, or beside one, or held more than it*"
+        if run == 1:
+            result.stdout.fnmatch_lines([again + "test_engine.py::test_engine"])
+        else:
+            result.stdout.no_fnmatch_line(again)
+        peaks.append(_peaks(xml)["test_engine"])
+    assert peaks == [1024.0, 9216.0, 9216.0]
