@@ -33,6 +33,7 @@ import pytest
 
 from spawnrun import _inventory
 from spawnrun import _packing
+from spawnrun import _proctable
 from spawnrun import _vendors
 
 
@@ -386,20 +387,10 @@ def owned_here(token: str) -> bool:
     return token.split(":", 1)[0] == str(os.getpid())
 
 
-def _stat(pid: int) -> list[bytes] | None:
-    """``/proc/<pid>/stat``'s fields after the process's name (its state first); None
-    where it cannot be read."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def started(pid: int) -> int | None:
     """When ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``); None where
     it cannot be read."""
-    fields = _stat(pid)
+    fields = _proctable.stat_fields(pid)
     if fields is None or len(fields) <= 19 or not fields[19].isdigit():
         return None
     return int(fields[19])
@@ -416,7 +407,7 @@ def _alive(pid: int, started_at: int | None = None) -> bool:
         return False
     except PermissionError:
         pass
-    fields = _stat(pid)
+    fields = _proctable.stat_fields(pid)
     if fields is None:
         return True  # no /proc: the signal's word stands
     if fields[:1] in ([b"Z"], [b"X"]):

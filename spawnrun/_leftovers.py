@@ -1,15 +1,16 @@
 """What a test left running: adopted while it runs, ended and named as its process leaves.
 
 Runs in the process that runs a test (a spawned child, a template's fork); imports only
-the standard library. Before the test's code runs, the process becomes the subreaper
-of what it starts (Linux ``PR_SET_CHILD_SUBREAPER``): a process below it whose parent
-ends is re-parented to it, not to init, so nothing the test starts escapes it, also not
-a grandchild that called ``setsid`` (an engine's server, a daemonized helper). As the
-process leaves (``_leave.leave``, after the exit work that joins what is joined at
-exit), what is still its child was left running by the test: it is named to the parent
-(``tell``), sent SIGTERM, given ``GRACE`` (orphans of those it ends are adopted and
-ended in turn), then SIGKILL, and reaped. What multiprocessing itself keeps for the
-process (its resource tracker, its forkserver), which ends with it, is left alone.
+the standard library and ``_proctable``. Before the test's code runs, the process
+becomes the subreaper of what it starts (Linux ``PR_SET_CHILD_SUBREAPER``): a process
+below it whose parent ends is re-parented to it, not to init, so nothing the test starts
+escapes it, also not a grandchild that called ``setsid`` (an engine's server, a
+daemonized helper). As the process leaves (``_leave.leave``, after the exit work that
+joins what is joined at exit), what is still its child was left running by the test: it
+is named to the parent (``tell``), sent SIGTERM, given ``GRACE`` (orphans of those it
+ends are adopted and ended in turn), then SIGKILL, and reaped. What multiprocessing
+itself keeps for the process (its resource tracker, its forkserver), which ends with it,
+is left alone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+
+from spawnrun import _proctable
 
 PR_SET_CHILD_SUBREAPER = 36
 #: How long what a test left running gets between SIGTERM and SIGKILL.
@@ -71,12 +74,8 @@ def children() -> list[int]:
     """This process's live children (zombies reaped), but multiprocessing's own."""
     _reap()
     me = os.getpid()
-    mine = []
-    for name in _pids():
-        stat = _stat(name)
-        if stat is not None and stat[1] == me and stat[0] != "Z":
-            mine.append(int(name))
-    return sorted(set(mine) - _kept())
+    mine = {pid for pid, (parent, _, _) in _proctable.live_processes().items() if parent == me}
+    return sorted(mine - _kept())
 
 
 def describe(pid: int) -> str:
@@ -90,23 +89,6 @@ def describe(pid: int) -> str:
     if len(command) > 120:
         command = command[:117] + "..."
     return f"pid {pid} ({command or '?'})"
-
-
-def _pids() -> list[str]:
-    try:
-        return [name for name in os.listdir("/proc") if name.isdigit()]
-    except OSError:
-        return []
-
-
-def _stat(name: str) -> tuple[str, int] | None:
-    """(state, parent pid) of process ``name``."""
-    try:
-        with open(f"/proc/{name}/stat", "rb") as f:
-            fields = f.read().rpartition(b")")[2].split()
-        return fields[0].decode(), int(fields[1])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def _kept() -> set[int]:

@@ -28,6 +28,7 @@ from spawnrun import CHILD_ENV
 from spawnrun import _bytecode
 from spawnrun import _leave
 from spawnrun import _main
+from spawnrun import _proctable
 from spawnrun import _protocol as proto
 from spawnrun import _stackhook
 
@@ -220,44 +221,14 @@ def no_main_reimport() -> Iterator[None]:
 LIVE: set[ChildProcess] = set()
 
 
-def _live_processes() -> dict[int, tuple[int, int, int]]:
-    """pid -> (parent pid, process group, session) of every live process (Linux /proc).
-
-    Zombies are left out; without /proc there is nothing to list.
-    """
-    procs: dict[int, tuple[int, int, int]] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return procs
-    for name in names:
-        if not name.isdigit():
-            continue
-        # os.open and one read, not a file object: each child's end looks at every
-        # process of the machine (half the cost).
-        try:
-            fd = os.open(f"/proc/{name}/stat", os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            stat = os.read(fd, 4096)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
-        # Fields after the parenthesized command: state ppid pgrp session ...
-        fields = stat[stat.rfind(b")") + 2 :].split(None, 4)
-        if len(fields) > 3 and fields[0] != b"Z":
-            procs[int(name)] = (int(fields[1]), int(fields[2]), int(fields[3]))
-    return procs
-
-
 def group_members(pgid: int) -> list[int]:
     """Pids in process group or session ``pgid`` (Linux /proc), excluding zombies.
 
     None can be found without /proc (the run warns of it once: ``_reports.NO_PROC``).
     """
-    return [pid for pid, (_, pgrp, sid) in _live_processes().items() if pgid in (pgrp, sid)]
+    return [
+        pid for pid, (_, pgrp, sid) in _proctable.live_processes().items() if pgid in (pgrp, sid)
+    ]
 
 
 def process_tree(root: int) -> list[tuple[int, int]]:
@@ -266,7 +237,7 @@ def process_tree(root: int) -> list[tuple[int, int]]:
     Its descendants, also those that left its session (``setsid``), and the members of
     its group or session whose parent died (re-parented to init): tree order first.
     """
-    procs = _live_processes()
+    procs = _proctable.live_processes()
     order: list[int] = []
     level = [root]
     while level:
