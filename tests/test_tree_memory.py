@@ -88,9 +88,9 @@ import pytest
 def test_leaves_two(tmp_path):
     # A child it never waits for, and a grandchild in a session of its own whose
     # parent has ended: re-parented to init, it would escape every group and session.
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)  # left-child"])
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)  # left-child TOKEN"])
     subprocess.run(
-        ["sh", "-c", "setsid " + sys.executable + " -c 'import time; time.sleep(301)' &"],
+        ["sh", "-c", "setsid " + sys.executable + " -c 'import time; time.sleep(301)  # TOKEN' &"],
         check=True,
     )
     time.sleep(0.3)  # the shell has ended; its orphan runs on
@@ -116,7 +116,9 @@ def _running(marker: str) -> list[int]:
 def test_what_a_test_leaves_running_is_ended_and_named(pytester, method):
     """Nothing a test starts outlives its process, also not a grandchild that left for a
     session of its own after its parent ended; the warning names them, on their test."""
-    pytester.makepyfile(test_leaves=LEAVES_RUNNING)
+    # This run's own sleepers: another run of this test may have its own running now.
+    token = f"{pytester.path.name}-{method}"
+    pytester.makepyfile(test_leaves=LEAVES_RUNNING.replace("TOKEN", token))
     result = pytester.runpytest_subprocess(
         "-p",
         "no:cacheprovider",
@@ -139,7 +141,7 @@ def test_what_a_test_leaves_running_is_ended_and_named(pytester, method):
         )
         result.stdout.fnmatch_lines(["*2 processes left behind were reaped*"])
     finally:
-        left = _running("time.sleep(30")
+        left = _running(token)
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert left == []
