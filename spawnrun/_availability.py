@@ -60,8 +60,12 @@ def in_parent() -> bool:
 
 
 def known() -> bool:
-    """Whether the parent's finding is known (its collection asked)."""
-    return _parent is not None or in_parent()
+    """Whether the parent's finding is known: its collection asked (CUDA available or
+    not), or its torch is a build without CUDA."""
+    if in_parent() or _parent is not None:
+        return True
+    torch = sys.modules.get("torch")
+    return torch is not None and not getattr(getattr(torch, "version", None), "cuda", None)
 
 
 def config_in_parent() -> str | None:
@@ -182,7 +186,6 @@ class WhileImporting:
         self._answer(torch)
 
     def _answer(self, torch: Any) -> None:
-
         def available() -> bool:
             global template_answer
             template_answer = self.sees
