@@ -137,6 +137,9 @@ class Job:
         #: The most its test's process tree held on those devices at once, as sampled
         #: while it ran (an engine process the test started, gone by its end, counts).
         self.tree_peak: int | None = None
+        #: Whether its test used one of those devices (memory, as torch or NVML saw
+        #: it); None where neither could look.
+        self.used_device: bool | None = None
         #: Whether another test held one of its devices while it ran.
         self.shared = False
         #: It ran beside a test on a learned budget (a guess: ``_units.Units._again``).
@@ -513,6 +516,7 @@ class Job:
             held = max(held or 0, self.tree_peak)
         if torch_peak is None and held is None:
             return
+        self.used_device = bool(torch_peak) or bool(held)
         peak = torch_peak or 0
         if held is not None:
             peak = max(peak, held - _packing.RESERVE)

@@ -43,6 +43,11 @@ LEARNED_FACTOR = 1.25
 LEARNED_MARGIN = 256 << 20
 #: A learned budget (with its reserve) above this share of the device runs alone.
 ALONE_SHARE = 0.25
+#: Where the budget of a test spawned by ``--spawn-gpu`` alone, with no peak recorded
+#: yet, comes from (``first_run_need``).
+FIRST_RUN_SOURCE = "first run: a share of the device, no peak recorded yet"
+#: The smallest such share: below it, the test runs alone.
+FIRST_RUN_LEAST = 1 << 30
 
 _UNITS = {
     "": 2**30,  # a bare number is GiB
@@ -99,6 +104,22 @@ def learned_need(peak: int, capacity: int | None) -> tuple[int | None, str]:
     if budget + RESERVE > ALONE_SHARE * capacity:
         return ALONE, f"its peak ({show(peak)}) is a large share of the device"
     return budget, ""
+
+
+def first_run_need(capacity: int | None, per_gpu: int) -> int | None:
+    """The budget a test spawned by ``--spawn-gpu`` alone, with no peak recorded yet,
+    shares its devices under (``auto``): an equal share of the device among ``per_gpu``
+    tests, each less its context's reserve; ALONE where the device's memory is unknown
+    or the share would be under ``FIRST_RUN_LEAST``.
+
+    A guess, like a learned budget: torch is capped there in the child, and a test that
+    fails (or is skipped after it used a device) on it, or beside it, or whose process
+    tree held more, runs again alone, whose outcome counts."""
+    if capacity is None or per_gpu < 2:
+        return ALONE
+    share = capacity // per_gpu - RESERVE
+    share = share // 2**20 * 2**20  # whole MiB
+    return share if share >= FIRST_RUN_LEAST else ALONE
 
 
 @dataclass

@@ -111,7 +111,7 @@ class Performer(Units):
     def _again_alone(self, nodeid: str, alone: bool = True, order: bool = False) -> None:
         """The test runs again: a fresh job, whose reports are the ones replayed.
 
-        ``alone``: it failed on a learned budget (its own or a neighbour's), and runs
+        ``alone``: it failed on a guessed budget (its own or a neighbour's), and runs
         alone, with no budget; else (its fork's outcome was in doubt, or ``order``: it
         failed after it ran out of pytest's order, and runs again once the tests before
         it have ended) it runs spawned, not forked, with its own need. The first run's
@@ -127,8 +127,8 @@ class Performer(Units):
         if order:
             self.out_of_order.append(nodeid)
         if alone:
-            guess = plan.budget_source if plan.learned else "a neighbour's learned budget"
-            why = f"ran again alone: it failed on a guessed budget ({guess})"
+            guess = plan.budget_source if plan.learned else "a neighbour's guessed budget"
+            why = f"ran again alone: it failed or skipped on a guessed budget ({guess})"
             if order:
                 why = f"ran again alone, in its order: it failed after it {OUT_OF_ORDER}"
             else:

@@ -28,6 +28,8 @@ SPAWNS_KEY = pytest.StashKey[bool]()
 PLAN_KEY = pytest.StashKey[_packing.Plan]()
 #: Each device's memory (NVML's, or --spawn-gpu-memory), None where unknown.
 CAPACITY_KEY = pytest.StashKey[dict[str, "int | None"]]()
+#: Most tests at once on one device (``--spawn-per-gpu``, or the cores' default).
+PER_GPU_KEY = pytest.StashKey[int]()
 
 
 def _scopes(
@@ -244,7 +246,8 @@ def _plan(
     count = _device_count(item, settings, overrides)
     raw = _marker_memory(item, settings)
     peak = learned.get(item.nodeid)
-    return _plan_from(marked, count, settings, overrides, ids, capacity, raw, peak)
+    per_gpu = item.config.stash.get(PER_GPU_KEY, 1)
+    return _plan_from(marked, count, settings, overrides, ids, capacity, raw, peak, per_gpu)
 
 
 def _plan_from(
@@ -256,6 +259,7 @@ def _plan_from(
     capacity: dict[str, int | None],
     raw: object,
     peak: int | None,
+    per_gpu: int = 1,
 ) -> _packing.Plan:
     """``_plan`` from what it reads of the test (and a file's guess: ``_boot_early``)."""
     timeout = overrides.get("timeout", settings.timeout)
@@ -274,7 +278,16 @@ def _plan_from(
     if settings.pack != "auto":
         return alone
     if peak is None:
-        return replace(alone, alone_because="no peak recorded yet", learned=True)
+        # A test the user marked runs alone until its peak is known; one that --spawn-gpu
+        # spawns (most of a suite's, and most use little) shares a guessed share.
+        sizes = [capacity.get(d) for d in ids]
+        known = [c for c in sizes if c is not None]
+        least = min(known) if len(known) == len(sizes) else None
+        need = _packing.first_run_need(least, per_gpu) if every else _packing.ALONE
+        if need is _packing.ALONE:
+            return replace(alone, alone_because="no peak recorded yet", learned=True)
+        source = _packing.FIRST_RUN_SOURCE
+        return replace(alone, need=need, alone_because="", budget_source=source, learned=True)
     known = [c for c in capacity.values() if c is not None]
     need, why = _packing.learned_need(peak, min(known) if known else None)
     if need is _packing.ALONE:

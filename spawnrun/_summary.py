@@ -34,10 +34,12 @@ class Summary:
         #: alone (node ids by reason).
         self.shared = 0
         self.budget_alone = 0
+        #: Of those that shared, how many on a first run's share (``_packing.first_run_need``).
+        self.first_run = 0
         self.alone: dict[str, list[str]] = {}
         #: Scope children replaced after a test said the process is broken.
         self.replaced = 0
-        #: Tests that failed on a guessed budget and ran again alone (``Done.again``).
+        #: Tests that failed (or skipped) on a guessed budget and ran again alone (``Done.again``).
         self.again: list[str] = []
         #: Tests that failed after they ran out of pytest's order and ran again in it.
         self.out_of_order: list[str] = []
@@ -71,6 +73,7 @@ class Summary:
         if job.claimed:
             if job.shared:
                 self.shared += 1
+                self.first_run += job.plan.budget_source == _packing.FIRST_RUN_SOURCE
             elif job.plan.need is not _packing.ALONE:
                 self.budget_alone += 1
             else:
@@ -84,6 +87,8 @@ class Summary:
             return []
         alone = sum(len(ids) for ids in self.alone.values())
         parts = [f"{self.shared} shared a GPU within their budgets"]
+        if self.first_run:
+            parts[0] += f" ({self.first_run} on a first run's share: no peak recorded yet)"
         if self.budget_alone:
             parts.append(f"{self.budget_alone} with a budget found no neighbour")
         reasons = ", ".join(f"{why}: {len(ids)}" for why, ids in sorted(self.alone.items()))
@@ -151,9 +156,10 @@ class Summary:
         if self.again:
             shown = ", ".join(self.again[:10]) + (" ..." if len(self.again) > 10 else "")
             lines.append(
-                f"{_plural(len(self.again), 'test')} failed on a learned budget, or beside "
-                "one, or held more than it over its process tree, and ran again alone (the "
-                f"second run's outcome counts; its peak is recorded): {shown}"
+                f"{_plural(len(self.again), 'test')} failed (or skipped after using a GPU) "
+                "on a guessed budget, or beside one, or held more than it over its process "
+                "tree, and ran again alone (the second run's outcome counts; its peak is "
+                f"recorded): {shown}"
             )
         if self.out_of_order:
             shown = ", ".join(self.out_of_order[:10])

@@ -305,13 +305,20 @@ class Units(Loop):
         return self._budget_guess(job)
 
     def _budget_guess(self, job: Job) -> bool:
-        """Whether it failed where a learned budget may be to blame, or its process tree
-        held more than that budget (it runs again alone, with none: that run's peak is
-        what is learned)."""
-        failed = any(r.failed for r in job.replay.reports)
-        if self.guessing and job.tree_over_guess:
+        """Whether it failed where a guessed budget (learned, or a first run's share) may
+        be to blame, or was skipped (or xfailed) there after it used a device (a test
+        that skips where too little memory is free), or its process tree held more than
+        that budget (it runs again alone, with none: that run's peak is what is
+        learned)."""
+        if not self.guessing:
+            return False
+        if job.tree_over_guess:
             return True
-        return self.guessing and failed and (job.guessed or job.beside_guess)
+        if not (job.guessed or job.beside_guess):
+            return False
+        reports = job.replay.reports
+        skipped = job.used_device is not False and any(r.skipped for r in reports)
+        return skipped or any(r.failed for r in reports)
 
     def _start_error(self, job: Job) -> str:
         for report in job.replay.reports:

@@ -45,6 +45,7 @@ from spawnrun import _unforked
 from spawnrun._plan import CAPACITY_KEY
 from spawnrun._plan import INVENTORY_KEY
 from spawnrun._plan import ITEM_KEY
+from spawnrun._plan import PER_GPU_KEY
 from spawnrun._plan import PLAN_KEY
 from spawnrun._plan import SETTINGS_KEY
 from spawnrun._plan import SPAWNS_KEY
@@ -168,6 +169,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _warn_fast_mode_only(config, settings)
     config.stash[INVENTORY_KEY] = inventory
     config.stash[CAPACITY_KEY] = capacity
+    config.stash[PER_GPU_KEY] = per_gpu
     global _peaks, _collected, _durations, _loads
     _peaks = config.stash[PEAKS_KEY] = {}
     _durations = config.stash[DURATIONS_KEY] = {}
@@ -390,7 +392,8 @@ def _boot_early(config: pytest.Config, path: Path) -> None:
     capacity = config.stash[CAPACITY_KEY]
     if marked and count > len(ids):
         return  # such tests are skipped here (a machine without GPUs, say)
-    plan = _plan_from(marked, count, settings, {}, ids, capacity, None, None)
+    per_gpu = config.stash.get(PER_GPU_KEY, 1)
+    plan = _plan_from(marked, count, settings, {}, ids, capacity, None, None, per_gpu)
     if need is not None:  # the budget the file's first spawned test had last time
         plan = replace(plan, need=need, budget_source=source, alone_because="")
     if scheduler.early.wants():

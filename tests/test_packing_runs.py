@@ -15,6 +15,7 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
+import vendor_standins as standins
 
 from spawnrun._budget import SECTION
 from spawnrun._packing import RESERVE
@@ -244,11 +245,18 @@ def test_learned_budgets_pack_tests_on_the_second_run(pytester, stamps, measured
     args = ["--spawn-gpus", "GPU-a", "--spawn-gpu-memory", "80GiB", "--spawn-pack", "auto"]
     if unmarked:
         args += ["--spawn-gpu", "--spawn-method", "forkserver", "--spawn-jobs", "4"]
+        args += ["--spawn-per-gpu", "4"]
     first = pytester.runpytest_subprocess(*args)
     first.assert_outcomes(passed=4)
-    first.stdout.fnmatch_lines(["packing: 0 shared a GPU*; 4 ran alone (no peak recorded yet: 4)"])
     seen = read_stamps(stamps)
-    assert all(overlapping(seen, n) == [] for n in seen)
+    if unmarked:  # a first run's share of the device: a quarter, less its reserve
+        first.stdout.no_fnmatch_line("*ran alone*")
+        assert {s["budget"] for s in seen.values()} == {19 * GiB}
+    else:
+        first.stdout.fnmatch_lines(
+            ["packing: 0 shared a GPU*; 4 ran alone (no peak recorded yet: 4)"]
+        )
+        assert all(overlapping(seen, n) == [] for n in seen)
     stamps.unlink()
     second = pytester.runpytest_subprocess(*args)
     second.assert_outcomes(passed=4)
@@ -564,15 +572,81 @@ def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(
     second.assert_outcomes(passed=2 + twice)
     said = "test failed" if len(tests) == 1 else "tests failed"
     assert (
-        f"{len(tests)} {said} on a learned budget, or beside one, or held more than it "
-        "over its process tree, and ran again alone (the second run's outcome counts; its "
-        f"peak is recorded): {', '.join(tests)}"
+        f"{len(tests)} {said} (or skipped after using a GPU) on a guessed budget, or beside "
+        "one, or held more than it over its process tree, and ran again alone (the second "
+        f"run's outcome counts; its peak is recorded): {', '.join(tests)}"
     ) in second.stdout.str()
     second.stdout.no_fnmatch_line("*out of memory (pretend)*")
     seen = read_stamps(stamps)
     assert [seen[f"grows{n}"]["budget"] for n in (1, 2)[: 1 + twice]] == [0] * len(tests)
     xml = (pytester.path / "out.xml").read_text()
     assert xml.count('classname="test_grows" name="test_grows[1]"') == 1, xml
+
+
+FIRST_RUN = """
+import os
+import pytest
+from stamping import stamp
+
+@pytest.mark.parametrize("i", range(3))
+def test_light(i):
+    stamp(f"light{i}")
+
+def test_needs_more():
+    import torch
+    torch.cuda.init()
+    if os.environ.get("SPAWNRUN_GPU_BUDGET"):  # more than a share: torch's cap stops it
+        raise torch.OutOfMemoryError("CUDA out of memory (pretend)")
+    stamp("needs_more", 0.1)
+
+def test_skips_where_crowded():
+    import torch
+    torch.cuda.init()
+    if os.environ.get("SPAWNRUN_GPU_BUDGET"):  # as a test that reads the free memory
+        pytest.skip("too little memory free (pretend)")
+    stamp("crowded", 0.1)
+
+def test_skips_before_any_device():
+    pytest.skip("not on this platform")
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_first_run_shares_the_device_and_a_test_it_does_not_fit_runs_again_alone(
+    pytester, stamps, monkeypatch, method
+):
+    """With no peak recorded, the tests --spawn-gpu spawns share the device on a first
+    run, each within an equal share of it (a quarter of 80 GiB less the 1 GiB reserve:
+    19 GiB); they ran one at a time before, PyG's 205 CUDA tests 6.7x plain on an H200.
+    The share is a guess: a test that fails on it, or is skipped after it used the
+    device, runs again alone and that outcome counts; a test skipped before it touched
+    the device stays skipped, run once."""
+    standins.one_h100(pytester, monkeypatch)
+    write_fake_torch(pytester)
+    pytester.makepyfile(test_first=FIRST_RUN)
+    args = ["--spawn-gpu", "--spawn-per-gpu", "4", "--spawn-jobs", "4", "-rs"]
+    result = pytester.runpytest_subprocess(*args, "--spawn-method", method)
+    result.assert_outcomes(passed=5, skipped=1)
+    result.stdout.no_fnmatch_line("*out of memory (pretend)*")
+    result.stdout.no_fnmatch_line("*too little memory free*")
+    result.stdout.fnmatch_lines(["*not on this platform*"])
+    again = [line for line in result.stdout.lines if "on a guessed budget, or beside one" in line]
+    assert len(again) == 1, result.stdout.str()
+    assert again[0].startswith("2 tests failed (or skipped after using a GPU)"), again
+    named = again[0].split(": ", 1)[1].split(", ")
+    assert sorted(named) == [
+        "test_first.py::test_needs_more",
+        "test_first.py::test_skips_where_crowded",
+    ]
+    result.stdout.fnmatch_lines(
+        ["packing: * shared a GPU within their budgets (* on a first run's share: *"]
+    )
+    seen = read_stamps(stamps)
+    share = 80 * GiB // 4 - RESERVE
+    assert {seen[f"light{i}"]["budget"] for i in range(3)} == {share}
+    assert any(overlapping(seen, f"light{i}") for i in range(3)), seen
+    # The second runs: alone, with no budget.
+    assert seen["needs_more"]["budget"] == seen["crowded"]["budget"] == 0
 
 
 def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, stamps):
@@ -609,7 +683,9 @@ def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, st
     pytester.runpytest_subprocess(*args).assert_outcomes(passed=2)  # learns: alone
     second = pytester.runpytest_subprocess(*args)
     second.assert_outcomes(passed=2)
-    second.stdout.fnmatch_lines(["1 test failed on a learned budget, or beside one, *"])
+    second.stdout.fnmatch_lines(
+        ["1 test failed (or skipped after using a GPU) on a guessed budget, or beside one, *"]
+    )
     second.stdout.fnmatch_lines(["*ran again alone*: test_side.py::test_declared"])
 
 

@@ -171,6 +171,21 @@ def write_host(path: Path, gpus: list[dict[str, Any]]) -> Path:
     return path
 
 
+def one_h100(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host of one 80 GiB GPU whose stand-in NVML lists the processes that say they
+    hold memory on it (a file ``$FAKE_GPU_PROCS/<pid>`` holding "<gpu index> <bytes>"),
+    for the inner runs of ``pytester``."""
+    procs = pytester.path / "procs"
+    procs.mkdir()
+    gpus = [{"uuid": "GPU-e0000000-0000", "name": "NVIDIA H100", "speed": 1, "memory": 80 * GiB}]
+    monkeypatch.setenv("FAKE_GPU_HOST", str(write_host(pytester.path / "host.json", gpus)))
+    monkeypatch.setenv("FAKE_GPU_PROCS", str(procs))
+    monkeypatch.setenv("SPAWNRUN_GPUS", "auto")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    pytester.makepyfile(pynvml=FAKE_NVML)
+    monkeypatch.setenv("PYTHONPATH", str(pytester.path), prepend=":")
+
+
 def nvml_module(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, gpus: list[dict[str, Any]]) -> Any:
     """The stand-in pynvml as a module object, on a host of ``gpus``."""
     monkeypatch.setenv("FAKE_GPU_HOST", str(write_host(tmp_path / "host.json", gpus)))
