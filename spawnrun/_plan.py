@@ -282,7 +282,7 @@ def _plan_from(
         # spawns (most of a suite's, and most use little) shares a guessed share.
         sizes = [capacity.get(d) for d in ids]
         known = [c for c in sizes if c is not None]
-        least = min(known) if len(known) == len(sizes) else None
+        least = min(known) if known and len(known) == len(sizes) else None
         need = _packing.first_run_need(least, per_gpu) if every else _packing.ALONE
         if need is _packing.ALONE:
             return replace(alone, alone_because="no peak recorded yet", learned=True)
