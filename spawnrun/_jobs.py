@@ -50,6 +50,7 @@ from spawnrun import _reports
 from spawnrun import _runner
 from spawnrun import _starting
 from spawnrun import _unforked
+from spawnrun._budget import SECTION
 from spawnrun._reports import BUDGET_PROPERTY
 from spawnrun._reports import CPU_LOAD_PROPERTY
 from spawnrun._reports import LEARNED_PEAK
@@ -67,6 +68,10 @@ POLL = _ending.POLL
 #: After a child's pipe ended, how long it gets to be seen exiting (its exit code tells
 #: how it died) before it counts as alive without its pipe and is killed.
 PIPE_GRACE = 1.0
+#: How often a running test's process tree is sampled for the device memory it holds
+#: (one NVML query per claimed device, and a walk of /proc): an engine process that
+#: holds memory for a second or more is seen.
+SAMPLE_EVERY = 0.25
 
 
 class State(enum.Enum):
@@ -484,6 +489,7 @@ class Job:
             self._learn(msg.peak_per_device)
             if self.interrupted is None:
                 replay.complete(msg.notes)
+                self._judge_tree()
             self._ended(handover=msg.more and self.interrupted is None, done=True)
         else:  # the pipe ended before "done": the child died, or cannot be heard
             self._pipe_ended(msg.cause)
@@ -521,6 +527,27 @@ class Job:
         if held is not None:
             peak = max(peak, held - _packing.RESERVE)
         self.replay.properties.append((LEARNED_PEAK, round(peak / 2**20, 1)))
+
+    def _judge_tree(self) -> None:
+        """A declared budget holds over the test's whole process tree: a process the
+        test started (an engine, a server), which no cap reaches, that took more fails
+        the test, as torch's cap does in its own process; its neighbours never pay for
+        it. (A learned budget so exceeded runs the test again alone: ``tree_over_guess``.)"""
+        need = self.plan.need
+        if self.plan.learned or need is _packing.ALONE or self.tree_peak is None:
+            return
+        held = self.tree_peak - _packing.RESERVE
+        if held <= need:
+            return
+        show = _packing.show
+        text = (
+            f"{SECTION}: the test's process tree held {show(self.tree_peak)} on "
+            f"one of its GPUs at once (NVML, sampled every {SAMPLE_EVERY:g} s; "
+            f"{show(held)} less the {show(_packing.RESERVE)} reserve for its context), more "
+            f"than its budget of {show(need)} ({self.plan.budget_source}): a process it "
+            "started went over it, where no cap reaches"
+        )
+        self.replay.fail_passed(SECTION, text)
 
     def sample_tree(self) -> None:
         """What the test's process tree holds on its devices now (NVML's per-process

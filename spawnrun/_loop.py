@@ -25,16 +25,13 @@ from spawnrun import _status
 from spawnrun._ending import Ending
 from spawnrun._jobs import IN_SLOT
 from spawnrun._jobs import LISTENING
+from spawnrun._jobs import SAMPLE_EVERY
 from spawnrun._jobs import Job
 from spawnrun._jobs import State
 from spawnrun._summary import Summary
 
 #: How long the loop sleeps when it watches nothing and has no deadline.
 _IDLE = 0.05
-#: How often a running test's process tree is sampled for the device memory it holds
-#: (one NVML query per claimed device, and a walk of /proc): an engine process that
-#: holds memory for a second or more is seen.
-SAMPLE_EVERY = 0.25
 
 
 class Loop(Summary):

@@ -139,6 +139,21 @@ class Replay:
         if "teardown" not in self.seen:
             self.add(_reports.make(self.item, "teardown", "passed"))
 
+    def fail_passed(self, title: str, text: str) -> None:
+        """The test fails after the fact: its passed call (else its passed setup) becomes
+        a failure saying ``text``, its output kept; a test that failed already gets
+        ``text`` as a section of its failure."""
+        for when in ("call", "setup"):
+            report = self.seen.get(when)
+            if report is None or not report.passed:
+                continue
+            failed = _reports.make(self.item, when, "failed", text, list(report.sections))
+            failed.duration, failed.start, failed.stop = report.duration, report.start, report.stop
+            failed.user_properties = list(report.user_properties)
+            self.reports[self.reports.index(report)] = self.seen[when] = failed
+            return
+        self.note_failure(title, text)
+
     def note_failure(self, title: str, text: str) -> None:
         """A section on the test's first failure (else its teardown report)."""
         target = next((r for r in self.reports if r.failed), self.seen.get("teardown"))

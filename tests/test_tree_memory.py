@@ -169,3 +169,49 @@ def test_a_process_tree_over_its_learned_budget_runs_again_alone(pytester, monke
             result.stdout.no_fnmatch_line(again)
         peaks.append(_peaks(xml)["test_engine"])
     assert peaks == [1024.0, 9216.0, 9216.0]
+
+
+DECLARED_ENGINE = """
+import os, subprocess, sys
+import pytest
+
+ENGINE = '''
+import os, sys, time
+with open(os.path.join(os.environ["FAKE_GPU_PROCS"], str(os.getpid())), "w") as f:
+    f.write("0 " + sys.argv[1])
+time.sleep(1.2)
+'''
+
+@pytest.mark.gpu(memory="4GiB")
+@pytest.mark.parametrize("gib", [3, 10])
+def test_engine(gib):
+    print("the engine starts")
+    subprocess.run([sys.executable, "-c", ENGINE, str(gib * 2**30)], check=True)
+"""
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_process_tree_over_its_declared_budget_fails_the_test(pytester, monkeypatch, method):
+    """A declared budget holds over the test's process tree: torch's cap reaches only
+    the test's own process, so an engine process that took 10 GiB under a 4 GiB budget
+    fails its test (its output kept), where before it passed while its neighbours ran
+    on memory the budgets said was theirs. One that kept within it passes."""
+    standins.one_h100(pytester, monkeypatch)
+    pytester.makepyfile(test_engine=DECLARED_ENGINE)
+    result = pytester.runpytest_subprocess("--spawn-method", method, "-rA")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "spawnrun: GPU memory budget: the test's process tree held 10.0 GiB on one of "
+            "its GPUs at once*",
+        ]
+    )
+    result.stdout.fnmatch_lines(["FAILED test_engine.py::test_engine[[]10[]]*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*; 9.0 GiB less the 1.0 GiB reserve for its context), more than its budget of "
+            "4.0 GiB (memory='4GiB'): a process it started went over it*"
+        ]
+    )
+    result.stdout.fnmatch_lines(["*Captured stdout call*", "the engine starts"])
+    result.stdout.fnmatch_lines(["PASSED test_engine.py::test_engine[[]3[]]"])
