@@ -486,7 +486,7 @@ class Job:
             self.cpu_load = msg.cpu_load
             self.doubt = msg.doubt
             self.held_after = msg.held_bytes
-            self._learn(msg.peak_per_device)
+            self._learn(msg.peak_per_device, msg.jax_peak)
             if self.interrupted is None:
                 replay.complete(msg.notes)
                 self._judge_tree()
@@ -502,7 +502,7 @@ class Job:
         item = previous if previous is not None and msg.pid != self.forked_pid else self.item
         _ending.warn_fork_ended(_ending.named(msg, item), msg)
 
-    def _learn(self, torch_peak: int | None) -> None:
+    def _learn(self, torch_peak: int | None, jax_peak: int | None = None) -> None:
         """The peak that ``--spawn-pack auto`` budgets this test by next time.
 
         torch's reserved peak on its fullest device, or what NVML lists for its
@@ -510,11 +510,18 @@ class Job:
         (memory held by other libraries). A test that used no device, as one of them saw
         it, learns 0; where neither could look (no torch view, no NVML: a JAX test on a
         host without NVML), nothing is learned: an unmeasured peak is never 0, and a test
-        with no record does not share.
+        with no record does not share. Where JAX started a GPU backend in the test's
+        process, its own peak counts instead of NVML's figure, which is the pool JAX
+        preallocated (75% of the device by default, whatever the test used).
         """
         if not self.claimed:
             return
         assert self.child is not None
+        if jax_peak is not None:
+            self.used_device = True
+            peak = max(torch_peak or 0, jax_peak)
+            self.replay.properties.append((LEARNED_PEAK, round(peak / 2**20, 1)))
+            return
         self.sample_tree()
         pids = self.pids | set(_runner.group_members(self.child.pid))
         held = _devices.process_memory(self.claimed, pids)

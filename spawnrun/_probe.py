@@ -91,6 +91,33 @@ def reserved_peaks() -> list[int] | None:
     return None if peaks is None else [int(p) for p in peaks]
 
 
+def jax_peak() -> int | None:
+    """JAX's own peak on the fullest accelerator of this process (``peak_bytes_in_use``
+    of its device memory statistics), in bytes: what its arrays needed, where NVML
+    counts the whole pool it preallocated (75% of the device by default).
+
+    None where JAX has started no accelerator backend in this process: asked only of
+    backends already started (``xla_bridge``'s), never starting one.
+    """
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    backends = getattr(bridge, "_backends", None)
+    if not isinstance(backends, dict) or not backends:
+        return None
+    peaks: list[int] = []
+    for backend in list(backends.values()):
+        try:
+            if getattr(backend, "platform", "cpu") == "cpu":
+                continue
+            for device in backend.local_devices():
+                stats = device.memory_stats() or {}
+                peak = stats.get("peak_bytes_in_use")
+                if isinstance(peak, int) and not isinstance(peak, bool) and peak >= 0:
+                    peaks.append(peak)
+        except Exception:  # noqa: BLE001 - a figure is never worth a failure
+            continue
+    return max(peaks) if peaks else None
+
+
 def allocated() -> int | None:
     """What torch has allocated on all this process's devices now (None: no CUDA)."""
     sizes = _each_device("memory_allocated")

@@ -233,6 +233,9 @@ class Done:
     more: bool = False
     #: With ``more``: what torch still has allocated on its devices after the test.
     held_bytes: int | None = None
+    #: JAX's own peak on its fullest device (``_probe.jax_peak``), where JAX started a
+    #: GPU backend in it: NVML's figure for it counts the pool JAX preallocated.
+    jax_peak: int | None = None
     #: Third-party modules the test imported that its boot had not (in import order):
     #: what a later run's template preloads (``_learned.preloads``).
     imported: list[str] = field(default_factory=list)

@@ -317,6 +317,7 @@ class Relay:
                         terminal,
                         peak,
                         per_device,
+                        jax_peak=_probe.jax_peak(),
                         imported=imported,
                         cpu_load=load,
                         doubt=_environ.doubt(),
@@ -485,6 +486,7 @@ class Relay:
                 peak,
                 per_device,
                 True,
+                jax_peak=_probe.jax_peak(),  # since the child started: JAX resets none
                 held_bytes=held,
                 imported=imported,
                 cpu_load=load,

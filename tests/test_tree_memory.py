@@ -9,6 +9,7 @@ that peak.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import xml.etree.ElementTree as ET
@@ -215,3 +216,68 @@ def test_a_process_tree_over_its_declared_budget_fails_the_test(pytester, monkey
     )
     result.stdout.fnmatch_lines(["*Captured stdout call*", "the engine starts"])
     result.stdout.fnmatch_lines(["PASSED test_engine.py::test_engine[[]3[]]"])
+
+
+FAKE_JAX = {
+    "jax/__init__.py": "",
+    "jax/_src/__init__.py": "",
+    "jax/_src/xla_bridge.py": '''
+import json
+import os
+
+_backends = {}
+
+
+class _Device:
+    def memory_stats(self):
+        return {"bytes_in_use": 0, "peak_bytes_in_use": 2 * 2**30, "bytes_limit": 60 * 2**30}
+
+
+class _Client:
+    platform = "gpu"
+
+    def local_devices(self):
+        return [_Device()]
+
+
+def start():
+    """As JAX's GPU backend starts: it preallocates 75% of the device (NVML sees it)."""
+    with open(os.path.join(os.environ["FAKE_GPU_PROCS"], str(os.getpid())), "w") as f:
+        f.write("0 " + str(60 * 2**30))
+    _backends["cuda"] = _Client()
+''',
+}
+
+JAX_SUITE = """
+import json, os
+import pytest
+
+@pytest.mark.gpu
+def test_jax():
+    from jax._src import xla_bridge
+    xla_bridge.start()
+    with open("env.json", "w") as f:
+        json.dump({k: v for k, v in os.environ.items() if k.startswith("XLA_")}, f)
+"""
+
+
+def test_a_jax_test_learns_what_it_used_not_what_jax_preallocated(pytester, monkeypatch):
+    """JAX preallocates 75% of the device; NVML counts that pool as the process's. The
+    test learns JAX's own peak (2 GiB) and its next run gets a budget from it in JAX's
+    own variables, where it learned 59 GiB and ran alone."""
+    standins.one_h100(pytester, monkeypatch)
+    for name, text in FAKE_JAX.items():
+        (pytester.path / name).parent.mkdir(parents=True, exist_ok=True)
+        (pytester.path / name).write_text(text)
+    pytester.makepyfile(test_jax=JAX_SUITE)
+    first = pytester.runpytest_subprocess("--junitxml=first.xml")
+    first.assert_outcomes(passed=1)
+    assert _peaks(pytester.path / "first.xml") == {"test_jax": 2048.0}
+    second = pytester.runpytest_subprocess("-v")
+    second.assert_outcomes(passed=1)
+    second.stdout.fnmatch_lines(["test_jax.py::test_jax PASSED [[]gpu 0, 2.8 GiB[]]*"])
+    env = json.loads((pytester.path / "env.json").read_text())
+    assert env == {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{2816 * 2**20 / (80 * GiB):.4f}",
+    }
