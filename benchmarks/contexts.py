@@ -55,7 +55,7 @@ def child(write_fd: int, reset: bool) -> None:
         driver_child(write_fd, reset)
     import torch
 
-    from spawnrun import _probe
+    from spawnrun.proc import _probe
 
     start = time.perf_counter()
     torch.zeros(1, device="cuda")

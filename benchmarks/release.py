@@ -7,7 +7,7 @@ Run on a GPU host (needs torch with CUDA and nvidia-ml-py)::
 For each of ``-n`` fresh processes: the memory NVML lists for it after a first 512x512
 matmul (the CUDA context and cuBLAS's workspace: what spawnrun's per-process reserve
 covers), torch's reserved memory then, and the seconds until NVML no longer lists the
-process after ``spawnrun._probe.release_devices()`` (the child's release before its
+process after ``spawnrun.proc._probe.release_devices()`` (the child's release before its
 session ends) against after the process exits. Prints medians; ``--json`` writes all.
 """
 
@@ -29,7 +29,7 @@ torch.cuda.synchronize()
 print("ready", torch.cuda.memory_reserved(0), flush=True)
 sys.stdin.readline()
 if sys.argv[1] == "release":
-    from spawnrun import _probe
+    from spawnrun.proc import _probe
     t = time.monotonic()
     _probe.release_devices()
     print("released", time.monotonic() - t, flush=True)

@@ -1,8 +1,8 @@
-"""Rewrite the settings table in docs/configuration.md from spawnrun/_settings.py.
+"""Rewrite the settings table in docs/configuration.md from spawnrun/config/_settings.py.
 
 Run it from anywhere: ``python docs/gen_reference.py``. The table lies between the
 page's settings-table markers; ``tests/test_docs.py`` fails while the page's table is
-not what ``spawnrun._settings.reference_table()`` renders.
+not what ``spawnrun.config._settings.reference_table()`` renders.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ END = "<!-- settings-table:end -->"
 
 def render(text: str) -> str:
     """The page's text with the block between the markers replaced by the table."""
-    from spawnrun._settings import reference_table
+    from spawnrun.config._settings import reference_table
 
     head, start, rest = text.partition(START)
     _, end, tail = rest.partition(END)

@@ -24,7 +24,7 @@ __all__ = [
     "is_child",
     "__version__",
 ]
-#: Loaded from ``spawnrun._call`` on first use, so importing the package stays cheap.
+#: Loaded from ``spawnrun.calls._call`` on first use, so importing the package stays cheap.
 _CALL_NAMES = frozenset(
     {"call", "in_child", "CallCrashed", "CallError", "CallFailed", "CallTimeout", "ChildTraceback"}
 )
@@ -45,7 +45,7 @@ def __getattr__(name: str) -> Any:
 
         return version("spawnrun")
     if name in _CALL_NAMES:
-        from spawnrun import _call
+        from spawnrun.calls import _call
 
         return getattr(_call, name)
     raise AttributeError(name)

@@ -23,43 +23,43 @@ from typing import Any
 
 import pytest
 
-from spawnrun import _bytecode
-from spawnrun import _child
-from spawnrun import _cudawatch
-from spawnrun import _devices
-from spawnrun import _early
-from spawnrun import _ending
-from spawnrun import _forkserver
-from spawnrun import _headstart
-from spawnrun import _heap
-from spawnrun import _inventory
-from spawnrun import _learned
-from spawnrun import _packing
-from spawnrun import _parse
-from spawnrun import _probe
-from spawnrun import _reports
-from spawnrun import _runner
-from spawnrun import _settings
-from spawnrun import _starting
-from spawnrun import _unforked
-from spawnrun._plan import CAPACITY_KEY
-from spawnrun._plan import INVENTORY_KEY
-from spawnrun._plan import ITEM_KEY
-from spawnrun._plan import PER_GPU_KEY
-from spawnrun._plan import PLAN_KEY
-from spawnrun._plan import SETTINGS_KEY
-from spawnrun._plan import SPAWNS_KEY
-from spawnrun._plan import _cannot_run
-from spawnrun._plan import _plan
-from spawnrun._plan import _plan_from
-from spawnrun._plan import _plan_of
-from spawnrun._plan import _scopes
-from spawnrun._plan import _should_spawn
-from spawnrun._plan import _skipped_statically
-from spawnrun._plan import _spawns
+from spawnrun.child import _child
+from spawnrun.config import _parse
+from spawnrun.config import _settings
+from spawnrun.config._plan import CAPACITY_KEY
+from spawnrun.config._plan import INVENTORY_KEY
+from spawnrun.config._plan import ITEM_KEY
+from spawnrun.config._plan import PER_GPU_KEY
+from spawnrun.config._plan import PLAN_KEY
+from spawnrun.config._plan import SETTINGS_KEY
+from spawnrun.config._plan import SPAWNS_KEY
+from spawnrun.config._plan import _cannot_run
+from spawnrun.config._plan import _plan
+from spawnrun.config._plan import _plan_from
+from spawnrun.config._plan import _plan_of
+from spawnrun.config._plan import _scopes
+from spawnrun.config._plan import _should_spawn
+from spawnrun.config._plan import _skipped_statically
+from spawnrun.config._plan import _spawns
+from spawnrun.devices import _devices
+from spawnrun.devices import _inventory
+from spawnrun.devices import _packing
+from spawnrun.driver import _cudawatch
+from spawnrun.driver import _early
+from spawnrun.driver import _ending
+from spawnrun.driver import _heap
+from spawnrun.launch import _forkserver
+from spawnrun.launch import _headstart
+from spawnrun.launch import _runner
+from spawnrun.launch import _starting
+from spawnrun.learn import _learned
+from spawnrun.learn import _unforked
+from spawnrun.proc import _bytecode
+from spawnrun.proc import _probe
+from spawnrun.wire import _reports
 
 if TYPE_CHECKING:
-    from spawnrun import _drive
+    from spawnrun.driver import _drive
 
 SCHEDULER_KEY: pytest.StashKey[_drive.Driver] = pytest.StashKey()
 #: Peaks measured in this run (node id -> bytes on its fullest device), for the cache.
@@ -137,9 +137,9 @@ def pytest_configure(config: pytest.Config) -> None:
         _register_markers(config, marker, _settings.forked_alias(config, marker))
         return
     # The run's machinery, in the parent only: children never import it.
-    from spawnrun import _drive
-    from spawnrun import _poison
-    from spawnrun import _status
+    from spawnrun.driver import _drive
+    from spawnrun.driver import _poison
+    from spawnrun.driver import _status
 
     settings = _settings.resolve(config)
     _register_markers(config, settings.marker, settings.forked_alias)
@@ -479,8 +479,8 @@ def pytest_runtestloop(session: pytest.Session) -> bool | None:
     settings = config.stash.get(SETTINGS_KEY, None)
     if settings is None or not settings.explain:
         return None
-    from spawnrun import _boots
-    from spawnrun import _explain
+    from spawnrun.config import _explain
+    from spawnrun.learn import _boots
 
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     scheduler = config.stash[SCHEDULER_KEY]
@@ -597,7 +597,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     scheduler = session.config.stash.get(SCHEDULER_KEY, None)
     if scheduler is None:
         return
-    from spawnrun import _boots
+    from spawnrun.learn import _boots
 
     if scheduler.has_core() and not _xdist_worker():
         _boots.store(config, scheduler.core.boots)
@@ -695,7 +695,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         for line in lines:
             terminalreporter.write_line(line)
     if scheduler is not None and scheduler.interrupted:
-        from spawnrun import _status
+        from spawnrun.driver import _status
 
         terminalreporter.write_sep("!", _reports.INTERRUPTED_RUNNING)
         for running in scheduler.interrupted:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from spawnrun import _reports
+from spawnrun.wire import _reports
 
 NO_INTERNAL = "*INTERNALERROR*"
 
@@ -680,9 +680,10 @@ def test_child_module_does_not_import_parent_side(pytester):
     import subprocess
 
     code = (
-        "import sys, spawnrun._child; "
-        "bad = [m for m in ('spawnrun.plugin', 'spawnrun._runner', 'spawnrun._replay', "
-        "'spawnrun._settings', 'torch') if m in sys.modules]; print(bad)"
+        "import sys, spawnrun.child._child; "
+        "bad = [m for m in ('spawnrun.plugin', 'spawnrun.launch._runner', "
+        "'spawnrun.driver._replay', 'spawnrun.config._settings', 'torch') "
+        "if m in sys.modules]; print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

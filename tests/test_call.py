@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 import spawnrun
-from spawnrun import _call
+from spawnrun.calls import _call
 
 NO_INTERNAL = "*INTERNALERROR*"
 ROOT = Path(__file__).resolve().parent.parent
@@ -271,7 +271,7 @@ def test_missing_cloudpickle_names_the_extra(tmp_path):
             import sys
             sys.modules["cloudpickle"] = None  # import cloudpickle now fails
             import spawnrun
-            assert "spawnrun._call" not in sys.modules  # lazy
+            assert "spawnrun.calls._call" not in sys.modules  # lazy
             try:
                 spawnrun.call(len, [1])
             except ImportError as exc:

@@ -17,11 +17,11 @@ import psutil
 import pytest
 from pytest import LineMatcher
 
-from spawnrun import _forkserver
-from spawnrun import _probe
-from spawnrun import _protocol as proto
-from spawnrun import _reports
-from spawnrun import _runner
+from spawnrun.launch import _forkserver
+from spawnrun.launch import _runner
+from spawnrun.proc import _probe
+from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _reports
 
 NO_INTERNAL = "*INTERNALERROR*"
 
@@ -487,7 +487,9 @@ def test_cuda_in_the_parent_before_spawnrun_watched_has_a_real_location(pytester
     pytester.makepyfile("import pytest\n@pytest.mark.gpu\ndef test_x():\n    pass\n")
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, warnings=1)
-    result.stdout.fnmatch_lines(["*spawnrun/_cudawatch.py:*: SpawnrunWarning: *before spawnrun*"])
+    result.stdout.fnmatch_lines(
+        ["*spawnrun/driver/_cudawatch.py:*: SpawnrunWarning: *before spawnrun*"]
+    )
     result.stdout.no_fnmatch_line("*<unknown>*")
 
 
@@ -788,10 +790,10 @@ def test_a_child_that_cannot_be_started_fails_its_test(pytester, gpus):
     pytester.makeconftest(
         """
         import os
-        import spawnrun._starting
+        import spawnrun.launch._starting
 
         if os.environ.get("SPAWNRUN_CHILD") != "1":
-            start = spawnrun._starting.start
+            start = spawnrun.launch._starting.start
 
             def refuse(item, *args, **kwargs):
                 if "cannot" in item.name:
@@ -801,8 +803,8 @@ def test_a_child_that_cannot_be_started_fails_its_test(pytester, gpus):
             def refuse_early(*args, **kwargs):
                 raise BlockingIOError(11, "Resource temporarily unavailable")
 
-            spawnrun._starting.start = refuse
-            spawnrun._starting.start_early = refuse_early  # harmless: tests start their own
+            spawnrun.launch._starting.start = refuse
+            spawnrun.launch._starting.start_early = refuse_early  # harmless: tests start their own
         """
     )
     pytester.makepyfile(
@@ -849,9 +851,9 @@ def test_a_boot_past_the_boot_limit_without_a_timeout(pytester):
     pytester.makeconftest(
         """
         import os, time
-        import spawnrun._jobs
+        import spawnrun.driver._jobs
 
-        spawnrun._jobs.BOOT_LIMIT = 0.5  # in the parent; 600 s really
+        spawnrun.driver._jobs.BOOT_LIMIT = 0.5  # in the parent; 600 s really
         if os.environ.get("SPAWNRUN_CHILD") == "1":
             time.sleep(3)
         """
@@ -1140,18 +1142,18 @@ def test_a_child_that_boots_unclaimed_is_under_the_boot_limit_at_its_turn(pytest
     pytester.makeconftest(
         """
         import itertools, os, time
-        import spawnrun._jobs, spawnrun._runner
+        import spawnrun.driver._jobs, spawnrun.launch._runner
 
-        spawnrun._jobs.BOOT_LIMIT = 2.5  # in the parent; 600 s really
+        spawnrun.driver._jobs.BOOT_LIMIT = 2.5  # in the parent; 600 s really
         # Numbered as the parent starts them: which child first reached this line was a
         # race among children booting at once (the test failed one run in four).
         started = itertools.count()
-        start = spawnrun._runner.ChildProcess.__init__
+        start = spawnrun.launch._runner.ChildProcess.__init__
 
         def numbered(self, spec, env):
             start(self, spec, {**env, "STARTED": str(next(started))})
 
-        spawnrun._runner.ChildProcess.__init__ = numbered
+        spawnrun.launch._runner.ChildProcess.__init__ = numbered
         if os.environ.get("STARTED", "0") != "0":
             time.sleep(6)
         """
@@ -1185,8 +1187,8 @@ def test_the_driver_alone_initialized_in_the_parent_gets_no_warning(
     and spawnrun never forks the parent; the warning that said it held "its context
     (typically 500 MiB or more)" came on every run of such a suite. A context still
     gets it. (The driver is asked of libcuda, which CI has not: the probe is set here.)"""
-    from spawnrun import _cudawatch
-    from spawnrun import _probe
+    from spawnrun.driver import _cudawatch
+    from spawnrun.proc import _probe
 
     monkeypatch.setattr(_probe, "cuda_driver_initialized", lambda: True)
     monkeypatch.setattr(_probe, "boot_touch", lambda: touched)

@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from spawnrun import _devices
-from spawnrun import _inventory
-from spawnrun import _vendors
-from spawnrun._packing import ALONE
+from spawnrun.devices import _devices
+from spawnrun.devices import _inventory
+from spawnrun.devices import _vendors
+from spawnrun.devices._packing import ALONE
 
 GiB = 2**30
 
@@ -95,7 +95,7 @@ def test_ledger_is_shared_between_processes(tmp_path):
     assert mine.take(1, ALONE, _devices.token_for(1)) == ["0"]
     # Another process (a second xdist worker) sees device 0 taken, then takes 1.
     code = (
-        "import sys; from pathlib import Path; from spawnrun import _devices;"
+        "import sys; from pathlib import Path; from spawnrun.devices import _devices;"
         "led = _devices.Ledger(('0', '1'), Path(sys.argv[1]));"
         "print(led.take(1, None, _devices.token_for(1)), led.take(1, None, _devices.token_for(2)))"
     )
@@ -118,7 +118,7 @@ def test_a_dead_workers_claims_are_dropped_at_once(tmp_path, how):
     devices forever. A claim whose pid now names another process is dropped too."""
     mine = _devices.Ledger(("0",), tmp_path)
     code = (
-        "import os, sys; from pathlib import Path; from spawnrun import _devices;"
+        "import os, sys; from pathlib import Path; from spawnrun.devices import _devices;"
         "led = _devices.Ledger(('0',), Path(sys.argv[1]));"
         "print(led.take(1, None, _devices.token_for(1)), flush=True);"
         "os._exit(0)"
@@ -155,7 +155,7 @@ def test_ledger_shares_budgets_between_processes(tmp_path):
     mine = _devices.Ledger(("0",), tmp_path, capacity, per_gpu=8)
     assert mine.take(1, 4 * GiB, _devices.token_for(1)) == ["0"]
     code = (
-        "import sys, time; from pathlib import Path; from spawnrun import _devices;"
+        "import sys, time; from pathlib import Path; from spawnrun.devices import _devices;"
         f"led = _devices.Ledger(('0',), Path(sys.argv[1]), {{'0': {10 * GiB}}}, 8);"
         f"print(led.take(1, {4 * GiB}, _devices.token_for(1)), flush=True); time.sleep(30)"
     )

@@ -333,7 +333,7 @@ def test_configuration_reference_is_generated():
     page = DOCS / "configuration.md"
     text = page.read_text()
     assert generator["render"](text) == text, (
-        "docs/configuration.md's settings table is not what spawnrun/_settings.py's "
+        "docs/configuration.md's settings table is not what spawnrun/config/_settings.py's "
         "reference_table() renders: run `python docs/gen_reference.py`"
     )
 

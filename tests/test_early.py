@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from spawnrun import _early
+from spawnrun.driver import _early
 
 # The parent records when its collection ended; every process records when it began
 # importing each file. The slow file makes the parent's collection last.

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from spawnrun import _ending
-from spawnrun import _protocol as proto
-from spawnrun import _reports
-from spawnrun import _runner
-from spawnrun._ending import Ending
-from spawnrun._ending import Stage
+from spawnrun.driver import _ending
+from spawnrun.driver._ending import Ending
+from spawnrun.driver._ending import Stage
+from spawnrun.launch import _runner
+from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _reports
 
 
 class StandIn:

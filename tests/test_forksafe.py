@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from spawnrun import _forksafe
+from spawnrun.child import _forksafe
 
 
 def _module(name: str, answer: str | None) -> types.ModuleType:

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from spawnrun import _forkserver
-from spawnrun import _reports
+from spawnrun.launch import _forkserver
+from spawnrun.wire import _reports
 
 DEVICE_SUITE = """
 import json, os
@@ -296,7 +296,7 @@ def test_template_leaves_out_a_library_that_starts_a_thread(pytester, monkeypatc
         result.assert_outcomes(passed=2, warnings=1)
         result.stdout.fnmatch_lines(["*forkserver leaves threadlib out of its template*thread*"])
         # A real location (spawnrun's code, as pytest's own warnings show), never ":0".
-        result.stdout.fnmatch_lines(["*spawnrun/_forkserver.py:*: SpawnrunWarning*"])
+        result.stdout.fnmatch_lines(["*spawnrun/launch/_forkserver.py:*: SpawnrunWarning*"])
     else:  # a -p module is rewritten by pytest: never preloaded, so nothing to leave out
         result.assert_outcomes(passed=2)
     result.stdout.no_fnmatch_line("*forkserver is off*")
@@ -651,7 +651,7 @@ def test_a_child_answers_is_available_from_the_parents_finding_while_it_collects
     answer is False.)"""
     pytester.makeconftest(
         RECORD_PARENT
-        + "from spawnrun import _availability\n"
+        + "from spawnrun.child import _availability\n"
         + f"_availability.in_parent = lambda: {found}\n"
         + "_availability.config_in_parent = lambda: 'the parent says'\n"
     )
@@ -715,7 +715,7 @@ def test_the_library_template_answers_is_available_as_a_collecting_child_does(
     )
     pytester.makeconftest(
         RECORD_PARENT
-        + "from spawnrun import _availability\n"
+        + "from spawnrun.child import _availability\n"
         + "_availability.in_parent = lambda: True\n"
         + "_availability.config_in_parent = lambda: 'the parent says'\n"
     )
@@ -766,7 +766,7 @@ def test_the_library_template_answers_is_available_as_a_collecting_child_does(
      ("", False), ("-1", False), ("none", False), ("-1,0", False)],
 )  # fmt: skip
 def test_is_available_while_collecting_is_the_parents_for_the_devices_seen(visible, sees):
-    from spawnrun import _availability
+    from spawnrun.child import _availability
 
     assert _availability.sees_a_device(visible) is sees
 
@@ -785,8 +785,8 @@ def test_the_parents_finding_is_asked_only_once_the_driver_is_initialized(
     import sys
     import types
 
-    from spawnrun import _availability
-    from spawnrun import _probe
+    from spawnrun.child import _availability
+    from spawnrun.proc import _probe
 
     asked = []
 

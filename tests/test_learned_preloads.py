@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from spawnrun import _forkserver
-from spawnrun import _learned
+from spawnrun.launch import _forkserver
+from spawnrun.learn import _learned
 
 NO_INTERNAL = "*INTERNALERROR*"
 
@@ -106,8 +106,8 @@ def test_a_learned_preload_whose_import_blocks_is_given_up_on(pytester, monkeypa
     gave up on, and the next run leaves that library out from the start."""
     _library(pytester, monkeypatch, "stuck", "import time\ntime.sleep(30)\n")
     pytester.makeconftest(
-        "import spawnrun._forkserver\n"
-        "spawnrun._forkserver.LEARNED_LIMIT = 1.0  # in the parent; 60 s really\n"
+        "import spawnrun.launch._forkserver\n"
+        "spawnrun.launch._forkserver.LEARNED_LIMIT = 1.0  # in the parent; 60 s really\n"
     )
     pytester.makepyfile(test_mine=SUITE)
     _plant(pytester, _learned.CACHE_PRELOADS, ["stuck"])
@@ -134,8 +134,8 @@ def test_a_slow_library_the_parent_imports_too_is_not_given_up_on(pytester, monk
     import is, never left out for being slow."""
     _library(pytester, monkeypatch, "slowish", "import time\ntime.sleep(2)\n")
     pytester.makeconftest(
-        "import spawnrun._forkserver\n"
-        "spawnrun._forkserver.LEARNED_LIMIT = 0.5  # in the parent; 60 s really\n"
+        "import spawnrun.launch._forkserver\n"
+        "spawnrun.launch._forkserver.LEARNED_LIMIT = 0.5  # in the parent; 60 s really\n"
         "def pytest_configure(config):\n"
         "    import slowish  # no import line at the top: only the parent knows\n"
     )
@@ -158,14 +158,14 @@ def test_check_modules_keeps_installed_libraries_only(tmp_path, monkeypatch):
     (site / "lib.py").write_text("raise SystemExit('imported')\n")
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.syspath_prepend(str(root))
-    stored = ["lib", "lib.sub", "nspkg.sub", "mine", "mine.x", "pytest", "spawnrun._zygote"]
+    stored = ["lib", "lib.sub", "nspkg.sub", "mine", "mine.x", "pytest", "spawnrun.fork._zygote"]
     kept, dropped = _learned.check_modules([*stored, "", None, "a b"], root.resolve())
     assert kept == ["lib", "lib.sub", "nspkg.sub"]
     assert dropped == {
         "mine": _learned.IN_ROOTDIR,
         "mine.x": _learned.IN_ROOTDIR,
         "pytest": _learned.NOT_A_LIBRARY,
-        "spawnrun._zygote": _learned.NOT_A_LIBRARY,
+        "spawnrun.fork._zygote": _learned.NOT_A_LIBRARY,
         "''": _learned.NOT_A_NAME,
         "None": _learned.NOT_A_NAME,
         "'a b'": _learned.NOT_A_NAME,

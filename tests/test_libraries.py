@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from spawnrun import _libraries
+from spawnrun.proc import _libraries
 
 
 def _module(name: str, filename: str) -> types.ModuleType:

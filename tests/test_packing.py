@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from spawnrun import _packing
-from spawnrun._packing import ALONE
-from spawnrun._packing import RESERVE
+from spawnrun.devices import _packing
+from spawnrun.devices._packing import ALONE
+from spawnrun.devices._packing import RESERVE
 
 GiB = 2**30
 
@@ -131,7 +131,7 @@ def test_default_per_gpu_follows_the_cores_per_gpu(cpus, gpus, expected):
 
 
 def test_children_sharing_a_device_create_contexts_a_few_at_a_time(tmp_path):
-    from spawnrun import _budget
+    from spawnrun.child import _budget
 
     prefix = str(tmp_path / "init")
     with _budget._few_at_a_time(prefix, 2), _budget._few_at_a_time(prefix, 2):

@@ -17,8 +17,8 @@ from xml.etree import ElementTree
 import pytest
 import vendor_standins as standins
 
-from spawnrun._budget import SECTION
-from spawnrun._packing import RESERVE
+from spawnrun.child._budget import SECTION
+from spawnrun.devices._packing import RESERVE
 
 GiB = 2**30
 

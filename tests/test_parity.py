@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from spawnrun import _reports
+from spawnrun.wire import _reports
 
 INNER = textwrap.dedent(
     """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from spawnrun import _reports
+from spawnrun.wire import _reports
 
 NO_INTERNAL = "*INTERNALERROR*"
 

@@ -1,5 +1,5 @@
 """A spare fork copies the pages its test will write before the test comes
-(``spawnrun._rehearse``): the test's own writes then fault far less, and nothing the
+(``spawnrun.child._rehearse``): the test's own writes then fault far less, and nothing the
 pages hold changes."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from spawnrun import _rehearse
+from spawnrun.child import _rehearse
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="pagemap and madvise are Linux's"

@@ -241,7 +241,7 @@ def test_status_line_is_drawn_after_the_cursor_and_erased_exactly():
 
     from _pytest._io import TerminalWriter
 
-    from spawnrun import _status
+    from spawnrun.driver import _status
 
     buffer = io.StringIO()
     tw = TerminalWriter(buffer)

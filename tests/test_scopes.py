@@ -11,8 +11,8 @@ import textwrap
 
 import pytest
 
-from spawnrun import _poison
-from spawnrun._reports import REPLACED_TITLE
+from spawnrun.driver import _poison
+from spawnrun.wire._reports import REPLACED_TITLE
 
 RECORD = """
 import json, os

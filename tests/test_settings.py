@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from spawnrun import _devices
-from spawnrun import _inventory
-from spawnrun import _parse
-from spawnrun import _settings
+from spawnrun.config import _parse
+from spawnrun.config import _settings
+from spawnrun.devices import _devices
+from spawnrun.devices import _inventory
 
 
 class FakePluginManager:

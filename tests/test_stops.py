@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from spawnrun._reports import OUT_OF_ORDER
+from spawnrun.wire._reports import OUT_OF_ORDER
 
 NO_SPAWN = "--no-spawn"
 

@@ -17,8 +17,8 @@ import xml.etree.ElementTree as ET
 import pytest
 import vendor_standins as standins
 
-from spawnrun import _packing
-from spawnrun import _reports
+from spawnrun.devices import _packing
+from spawnrun.wire import _reports
 
 GiB = 2**30
 

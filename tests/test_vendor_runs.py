@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 import pytest
 import vendor_standins as standins
 
-from spawnrun import _inventory
+from spawnrun.devices import _inventory
 
 VARS = (
     "CUDA_VISIBLE_DEVICES",

@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import vendor_standins as standins
 
-from spawnrun import _devices
-from spawnrun import _inventory
-from spawnrun import _settings
-from spawnrun import _vendors
+from spawnrun.config import _settings
+from spawnrun.devices import _devices
+from spawnrun.devices import _inventory
+from spawnrun.devices import _vendors
 
 GiB = 2**30
 NONE = {"CUDA_VISIBLE_DEVICES": ""}

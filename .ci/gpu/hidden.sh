@@ -7,7 +7,7 @@ for val in "" "-1"; do
   for nvml in 0 1; do
    CUDA_VISIBLE_DEVICES="$val" PYTORCH_NVML_BASED_CUDA_CHECK=$([ $nvml = 1 ] && echo 1) python -c "
 import torch
-from spawnrun import _probe
+from spawnrun.proc import _probe
 r = $call
 print(repr('$val'), 'nvml=$nvml', '$call'[:28].ljust(28), 'result', r, '| driver', _probe.cuda_driver_initialized(), '| runtime', repr(_probe.device_runtime()))
 " 2>&1 | tail -1

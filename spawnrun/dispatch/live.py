@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from spawnrun import _packing
+from spawnrun.devices import _packing
 from spawnrun.dispatch.state import PEER
 from spawnrun.dispatch.units import MOVING
 

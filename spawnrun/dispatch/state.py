@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from dataclasses import field
 from dataclasses import replace
 
-from spawnrun import _packing
+from spawnrun.devices import _packing
 from spawnrun.dispatch import events as ev
 from spawnrun.dispatch.events import Kind
 from spawnrun.dispatch.units import IDLE

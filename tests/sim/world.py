@@ -32,7 +32,7 @@ import itertools
 from dataclasses import dataclass
 from dataclasses import field
 
-from spawnrun import _packing
+from spawnrun.devices import _packing
 from spawnrun.dispatch import Dispatcher
 from spawnrun.dispatch import events as ev
 from spawnrun.dispatch.events import Kind

@@ -1,0 +1,299 @@
+"""What a test's child is started with: its options, environment and spec.
+
+Runs in the parent. ``Shared`` is what every child of the run gets (worked out once, at
+session start); ``child_env`` what one test's child gets on top (its devices, its
+budget); ``start`` makes the child's spec and starts it, forked from the zygote in fast
+mode, else spawned; ``start_early`` starts one for a file before its tests are known
+(``_early``), and ``assign`` tells it its test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+from collections.abc import Mapping
+from collections.abc import Sequence
+from dataclasses import dataclass
+from dataclasses import field
+from itertools import count
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spawnrun import CHILD_ENV
+from spawnrun.child import _availability
+from spawnrun.child._budget import BUDGET_ENV
+from spawnrun.child._budget import INIT_LOCK_ENV
+from spawnrun.child._budget import INIT_SLOTS
+from spawnrun.child._budget import INIT_SLOTS_ENV
+from spawnrun.child._budget import SOURCE_ENV
+from spawnrun.child._budget import XLA_FRACTION_ENV
+from spawnrun.child._budget import XLA_PREALLOCATE_ENV
+from spawnrun.devices import _devices
+from spawnrun.devices import _inventory
+from spawnrun.devices import _packing
+from spawnrun.launch import _forkserver
+from spawnrun.launch import _runner
+from spawnrun.proc import _coverage
+from spawnrun.wire import _protocol as proto
+
+_serial = count(1)
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What every child of the run gets from the parent, worked out once (session start)."""
+
+    options: dict[str, Any]
+    late_options: dict[str, bytes]
+    plugin_args: list[str]
+    workerinput: dict[str, Any] | None
+    junit_family: str
+    coverage: str
+    #: Set in every child's environment (``_bytecode``'s directory).
+    environ: dict[str, str] = field(default_factory=dict)
+    #: The parent's arguments, for configured templates (``ChildSpec.run_args``).
+    run_args: list[str] = field(default_factory=list)
+
+
+def shared(config: pytest.Config, environ: Mapping[str, str], configured: bool) -> Shared:
+    """``configured``: children may fork from a template that configured pytest once."""
+    options, late = _runner.forwarded_options(config)
+    return Shared(
+        options=options,
+        late_options=late,
+        plugin_args=_runner.plugin_args(config),
+        workerinput=_workerinput(config),
+        junit_family=_junit_family(config),
+        coverage=_coverage.parent_config(),
+        environ=dict(environ),
+        run_args=list(config.args) if configured else [],
+    )
+
+
+SHARED_KEY = pytest.StashKey[Shared]()
+#: Set with --spawn-method forkserver.
+ZYGOTE_KEY = pytest.StashKey[_forkserver.ZygoteHolder]()
+
+
+def child_env(
+    config: pytest.Config,
+    plan: _packing.Plan,
+    devices: list[str],
+    capacity: Mapping[str, int | None],
+) -> dict[str, str]:
+    """What a test's child gets in its environment from its first instruction on."""
+    # Its devices' tokens in the vendor's visibility variables (none: hidden).
+    env = {CHILD_ENV: "1", **_inventory.child_env(devices, plan.every)}
+    need = plan.need
+    if need is not _packing.ALONE:
+        # Its budget, before any of its code runs: torch gets it at CUDA's init
+        # (``_budget``), JAX reads these itself.
+        env[BUDGET_ENV] = str(need)
+        env[SOURCE_ENV] = plan.budget_source
+        env[XLA_PREALLOCATE_ENV] = "false"
+        if devices:
+            env[INIT_LOCK_ENV] = str(_init_lock(config, devices[0]))
+            env[INIT_SLOTS_ENV] = os.environ.get(INIT_SLOTS_ENV, str(INIT_SLOTS))
+        sizes = [capacity.get(d) for d in devices or capacity]
+        known = [c for c in sizes if c]
+        if known and len(known) == len(sizes):
+            env[XLA_FRACTION_ENV] = f"{min(1.0, need / min(known)):.4f}"
+    return env
+
+
+def _init_lock(config: pytest.Config, device: str) -> Path:
+    """The lock children sharing ``device`` create their CUDA contexts under.
+
+    In the run's own directory, shared by its xdist workers (the ledger's private
+    directory) or below the session's basetemp.
+    """
+    shared = getattr(config, "workerinput", {}).get("spawnrun_ledger")
+    directory = Path(shared) if shared else _runner.parent_basetemp(config) / "spawnrun"
+    directory.mkdir(parents=True, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c == "-" else "_" for c in device)
+    return directory / f"cuda-init-{safe}.lock"  # slots: <this>-0, <this>-1, ...
+
+
+def _junit_family(config: pytest.Config) -> str:
+    """The family of the junitxml file this process writes ("" when it writes none)."""
+    if not config.option.xmlpath or hasattr(config, "workerinput"):
+        return ""  # an xdist worker: the controller writes it, as in-process
+    return str(config.getini("junit_family"))
+
+
+def _workerinput(config: pytest.Config) -> dict[str, Any] | None:
+    workerinput = getattr(config, "workerinput", None)
+    if not isinstance(workerinput, dict):
+        return None
+    plain = {}
+    for key, value in workerinput.items():
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001 - what does not pickle stays behind
+            continue
+        plain[key] = value
+    return plain
+
+
+def candidate_args(item: pytest.Item, then: Sequence[str] = ()) -> list[list[str]]:
+    """The test's file alone first (cheap), with those of its scope's later tests; what
+    the parent collected on fallback."""
+    first = [str(item.path)]
+    for nodeid in then:
+        path = str(item.config.rootpath / nodeid.split("::")[0])
+        if path not in first:
+            first.append(path)
+    fallback = list(item.config.args)
+    return [first] if fallback == first else [first, fallback]
+
+
+def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> proto.ChildSpec:
+    workdir = _runner.child_dir(config, name, next(_serial))
+    workdir.mkdir(parents=True, exist_ok=True)
+    run = config.stash[SHARED_KEY]
+    live = config.getoption("capture") == "no"
+    found = _availability.in_parent()  # asked once: it may look at the driver
+    return proto.ChildSpec(
+        args=args,
+        plugin_args=run.plugin_args,
+        option_dict=dict(run.options, basetemp=str(workdir / "tmp")),
+        invocation_dir=str(config.invocation_params.dir),
+        log_path=None if live else str(workdir / "output.log"),
+        stacks_path=str(workdir / "stacks.txt"),
+        workerinput=run.workerinput,
+        late_options=run.late_options,
+        junit_family=run.junit_family,
+        coverage=run.coverage,
+        cuda_available=found,
+        torch_config=_availability.config_in_parent() if found else None,
+        deviceless=not _inventory.active().ids,
+        run_args=run.run_args,
+        **test,
+    )
+
+
+def start_early(config: pytest.Config, path: str, env: Mapping[str, str]) -> _runner.ChildProcess:
+    """A child that collects ``path`` and then waits to be told its test (``assign``).
+
+    Spawned, not forked: it starts while the parent collects, before the zygote (fast
+    mode) has imported what it forks from.
+    """
+    spec = _spec(config, os.path.basename(path), [path], nodeid="")
+    return _runner.ChildProcess(spec, env={**config.stash[SHARED_KEY].environ, **env})
+
+
+def prime(config: pytest.Config, path: str, env: Mapping[str, str], wait: bool) -> None:
+    """Fast mode, while the parent collects: the zygote configures a template for tests
+    like ``path``'s (``env``: their guessed devices) before the first is asked for, so
+    that it forks from one sooner (``wait``: the first waits for it rather than
+    configuring pytest in its own process). Once per run; nothing where children
+    configure pytest themselves."""
+    if not may_prime(config):
+        return
+    spec = _spec(config, "template", [path], nodeid=path)
+    run = config.stash[SHARED_KEY]
+    config.stash[ZYGOTE_KEY].prime(spec, {**run.environ, **env}, wait)
+
+
+def may_prime(config: pytest.Config) -> bool:
+    """Whether ``prime`` would still ask for a template: fast mode, its zygote on, not
+    asked yet, and children that fork from configured templates."""
+    holder = config.stash.get(ZYGOTE_KEY, None)
+    run = config.stash.get(SHARED_KEY, None)
+    return holder is not None and holder.may_prime() and run is not None and bool(run.run_args)
+
+
+def assign(
+    child: _runner.ChildProcess,
+    item: pytest.Item,
+    executions: int = 0,
+    then: Sequence[str] = (),
+    template: bool = False,
+) -> _runner.ChildProcess:
+    """Tell a child started early (``start_early``) which test it is for."""
+    holder = item.config.stash.get(ZYGOTE_KEY, None)
+    # A template where a fresh fork of it would have been one: fast mode, not turned off.
+    fork_each = template and holder is not None and not holder.off
+    msg = proto.Assign(
+        item.nodeid,
+        proto.bindings(item),
+        list(then) if fork_each or not template else [],
+        executions,
+        fork_each,
+    )
+    child.assign(msg)
+    return child
+
+
+def start(
+    item: pytest.Item,
+    args: list[str],
+    env: Mapping[str, str],
+    executions: int = 0,
+    then: Sequence[str] = (),
+    template: bool = False,
+    fresh: bool = False,
+) -> _runner.ChildProcess:
+    """The test's child: forked from the zygote in fast mode, else (or ``fresh``: a
+    fork's outcome is in doubt) spawned."""
+    config = item.config
+    run = config.stash[SHARED_KEY]
+    spec = _spec(
+        config,
+        item.nodeid,
+        args,
+        nodeid=item.nodeid,
+        params=proto.bindings(item),
+        executions=executions,
+        then=list(then),
+        fork_each=template,
+    )
+    env = {**run.environ, **env}
+    holder = config.stash.get(ZYGOTE_KEY, None)
+    if holder is not None and not fresh:
+        forked = holder.fork(config, spec, env)
+        if forked is not None:
+            return forked
+    if spec.fork_each and (fresh or holder is None or holder.off):
+        # The forkserver is off: every test spawns, this one alone in its child.
+        spec = dataclasses.replace(spec, fork_each=False, then=[])
+    return _runner.ChildProcess(spec, env=env)
+
+
+def cached_pycache(cache: Any) -> tuple[Path | None, str]:
+    """The bytecode directory in pytest's ``cache``, and what makes it unsafe ("": it is
+    a real directory of this user that nobody else may write; None: none could be made)."""
+    try:
+        directory = cache.mkdir("spawnrun-pycache")
+    except OSError:
+        return None, ""
+    return directory, _devices.not_private(directory)
+
+
+def pycache_dir(config: pytest.Config) -> str:
+    """Where children keep their bytecode: pytest's cache, else this run's temp dir.
+
+    Bytecode is code every child runs: the cache's directory is used only if it is a
+    real directory of this user that nobody else may write (a link, another owner or
+    write access for others could plant code), as the ledger's directory is checked
+    (``_devices.not_private``).
+    """
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        directory, problem = cached_pycache(cache)
+        if directory is not None and not problem:
+            return str(directory)
+        if directory is not None:
+            config.issue_config_time_warning(
+                pytest.PytestWarning(
+                    f"spawnrun: not keeping children's bytecode in {directory}: it {problem}; "
+                    "this run's own temporary directory is used instead"
+                ),
+                stacklevel=2,
+            )
+    directory = _runner.parent_basetemp(config) / "spawnrun" / "pycache"
+    directory.mkdir(parents=True, exist_ok=True)
+    return str(directory)

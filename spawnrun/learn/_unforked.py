@@ -1,0 +1,188 @@
+"""Tests whose outcome a fork may have changed: confirmed spawned, never forked again.
+
+Runs in the parent. Fast mode forks a test from a template: a guess that the template's
+imports, seeded streams and module state are what the test's own spawned child would
+have. Where a forked test fails, or its fork saw it write a variable the template's
+imports had read (``Done.doubt``), it runs again in a fresh spawned child and that run's
+reports count (``_units.Units._again``). Each such test is kept here for the summary and
+in pytest's cache (``spawnrun/unforked``, node id -> why): the next run spawns it fresh
+from the start (``Plan.unforked``) instead of repeating the guess.
+
+Except where the fork was not to blame: a test that failed in its fork and in its
+spawned run alike (the same outcome, the same failure: the phase, the exception and its
+message) is kept as a known failure (node id -> its failure and the signature of its
+file and conftests, ``_boots.signature``). While those are unchanged, the next run forks
+it again, and where it fails there with that same failure, the fork's reports count
+(``Plan.known_failure``): a spawned child would report what two processes already did.
+Any other failure, or a changed file, is confirmed spawned as before. peft's suite has
+seven tests that fail in every mode; each spawned confirmation collects an 18,413-id
+file (about 8 s on two cores).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spawnrun.learn import _boots
+
+KEY = "spawnrun/unforked"
+#: Records kept at most (the oldest go first).
+LIMIT = 5_000
+#: This run's: node id -> (why, outcome in the fork, outcome spawned, failure in the
+#: fork, failure spawned).
+RUN_KEY = pytest.StashKey[dict[str, list[str]]]()
+#: This run's tests that failed forked as they had failed spawned (not run again).
+KNOWN_KEY = pytest.StashKey[list[str]]()
+#: A failure's words kept at most.
+FAILURE_LIMIT = 2_000
+
+FAILED_IN_FORK = "it failed in a fork of a template"
+NOT_FOUND_IN_FORK = "a fork of a template did not find it"
+REMEMBERED = "an earlier run: {why}"
+
+
+def _records(config: Any) -> dict[str, Any]:
+    """What earlier runs recorded, validated: node id -> why, or a known failure's
+    record (never raises)."""
+    cache = getattr(config, "cache", None)
+    if cache is None:
+        return {}
+    try:
+        found = cache.get(KEY, {})
+    except Exception:  # noqa: BLE001 - an unreadable cache is an empty one
+        return {}
+    if not isinstance(found, dict):
+        return {}
+    return {k: v for k, v in found.items() if isinstance(k, str) and _valid(v)}
+
+
+def _valid(record: Any) -> bool:
+    if isinstance(record, str):
+        return True
+    return (
+        isinstance(record, dict)
+        and isinstance(record.get("failure"), str)
+        and isinstance(record.get("signature"), str)
+        and bool(record["failure"])
+    )
+
+
+def remembered(config: Any) -> dict[str, str]:
+    """Tests an earlier run doubted: node id -> why (never raises)."""
+    return {k: v for k, v in _records(config).items() if isinstance(v, str)}
+
+
+def known_failures(config: Any) -> dict[str, str]:
+    """Tests that failed forked and spawned alike in an earlier run, their file and
+    conftests unchanged since: node id -> that failure (never raises)."""
+    known = {}
+    for nodeid, record in _records(config).items():
+        if isinstance(record, dict):
+            if record["signature"] and record["signature"] == _signature(config, nodeid):
+                known[nodeid] = record["failure"]
+    return known
+
+
+def _signature(config: Any, nodeid: str) -> str:
+    """The modification times of the test's file and its conftests (``_boots``)."""
+    root = Path(str(config.rootpath))
+    return _boots.signature(str(root / nodeid.split("::")[0]), root)
+
+
+def failure(reports: list[Any]) -> str:
+    """A failed test's failure, to compare between runs: the phase, then the crash
+    line (the exception and its message); "" where none failed."""
+    for report in reports:
+        if not report.failed:
+            continue
+        crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+        words = getattr(crash, "message", None)
+        if not isinstance(words, str):
+            words = (str(report.longrepr).strip().splitlines() or [""])[-1]
+        return f"{report.when}: {words}"[:FAILURE_LIMIT]
+    return ""
+
+
+def accepted(config: Any, nodeid: str) -> None:
+    """The test failed in its fork as it had failed spawned: that report counts."""
+    config.stash.setdefault(KNOWN_KEY, []).append(nodeid)
+
+
+def note(config: Any, nodeid: str, why: str, outcome: str, failed: str = "") -> None:
+    """The test ran again spawned because of ``why``; ``outcome`` and ``failed``: in
+    the fork."""
+    config.stash.setdefault(RUN_KEY, {})[nodeid] = [why, outcome, "", failed, ""]
+
+
+def confirmed(config: Any, nodeid: str, outcome: str, failed: str = "") -> None:
+    """The spawned run of a test noted here ended with ``outcome`` (``failed``)."""
+    entry = config.stash.get(RUN_KEY, {}).get(nodeid)
+    if entry is not None and not entry[2]:
+        entry[2], entry[4] = outcome, failed
+
+
+def save(config: Any) -> None:
+    """Keep this run's records for the next (with the earlier ones, most recent last)."""
+    run = config.stash.get(RUN_KEY, {})
+    cache = getattr(config, "cache", None)
+    if not run or cache is None:
+        return
+    kept = {k: v for k, v in _records(config).items() if k not in run}
+    for nodeid, (why, fork, spawned, fork_failed, spawned_failed) in run.items():
+        alike = why == FAILED_IN_FORK and fork == spawned and fork_failed == spawned_failed
+        if alike and spawned_failed:
+            signature = _signature(config, nodeid)
+            kept[nodeid] = {"failure": spawned_failed, "signature": signature}
+        else:
+            kept[nodeid] = why
+    with contextlib.suppress(Exception):  # a read-only cache: the guess is made again
+        cache.set(KEY, dict(list(kept.items())[-LIMIT:]))
+
+
+def lines(config: Any) -> list[str]:
+    """The summary's words for the tests a fork's guess may have changed."""
+    run = config.stash.get(RUN_KEY, {})
+    known = config.stash.get(KNOWN_KEY, [])
+    out = []
+    if known:
+        out.append(
+            f"{len(known)} test{'s' if len(known) != 1 else ''} failed in a fork as "
+            f"{'they' if len(known) != 1 else 'it'} failed spawned in an earlier run, "
+            "file and conftests unchanged (the fork's report counts, not run again): "
+            + ", ".join(known[:5])
+            + (" ..." if len(known) > 5 else "")
+        )
+    if not run:
+        return out
+    changed = [n for n, (_, fork, spawned, *_) in run.items() if spawned and spawned != fork]
+    out += [
+        f"{len(run)} test{'s' if len(run) != 1 else ''} ran again in a fresh spawned child "
+        "after a fork (that run's outcome counts; the next run does not fork "
+        f"{'them' if len(run) != 1 else 'it'}):"
+    ]
+    for nodeid, (why, fork, spawned, *_) in list(run.items())[:10]:
+        outcome = f"{fork} forked, {spawned or 'not run'} spawned"
+        out.append(f"  {nodeid}: {why} ({outcome})")
+    if len(run) > 10:
+        out.append(f"  ... and {len(run) - 10} more")
+    if changed:
+        out.append(
+            f"  the fork changed the outcome of {len(changed)}: {', '.join(changed[:5])}"
+            + (" ..." if len(changed) > 5 else "")
+        )
+    return out
+
+
+def outcome(reports: list[Any]) -> str:
+    """What a test's reports came to: error, failed, skipped or passed."""
+    if any(r.failed and r.when != "call" for r in reports):
+        return "error"
+    if any(r.failed for r in reports):
+        return "failed"
+    if any(r.skipped for r in reports):
+        return "skipped"
+    return "passed"
