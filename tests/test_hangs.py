@@ -304,15 +304,15 @@ def test_a_test_nothing_can_start_fails_saying_why_instead_of_waiting(pytester):
     pytester.makeconftest(
         """
         import os
-        from spawnrun.dispatch.state import Run
+        from spawnrun.dispatch.queries import Queries
 
         if os.environ.get("SPAWNRUN_CHILD") != "1":
-            choose = Run.choose
+            choose = Queries.choose
 
             def never_for_one(self, test, *args, **kwargs):
                 return None if "never" in test.id else choose(self, test, *args, **kwargs)
 
-            Run.choose = never_for_one
+            Queries.choose = never_for_one
         """
     )
     pytester.makepyfile(

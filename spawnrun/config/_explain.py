@@ -4,7 +4,7 @@ Runs in the parent, after collection, from the plans decided for each test (``_p
 spawned or in-process and why, its devices, its budget and where it came from (declared
 or learned) or why it runs alone, the scope whose child it shares or the template it is
 forked from, whether its child may boot unclaimed (``_boots``), and what an earlier run
-measured of its duration, by which it may be backfilled (``dispatch.core``). One line
+measured of its duration, by which it may be backfilled (``dispatch.starts``). One line
 per test, in the order pytest would run them; nothing is started.
 """
 

@@ -18,9 +18,9 @@ from spawnrun.dispatch import events as ev
 from spawnrun.dispatch import live
 from spawnrun.dispatch.events import Kind
 from spawnrun.dispatch.events import Outcome
+from spawnrun.dispatch.queries import Queries
 from spawnrun.dispatch.state import Entry
 from spawnrun.dispatch.state import Phase
-from spawnrun.dispatch.state import Run
 from spawnrun.dispatch.state import boot_key
 from spawnrun.dispatch.units import IDLE
 from spawnrun.dispatch.units import Child
@@ -31,7 +31,7 @@ from spawnrun.dispatch.units import State
 _UNBORN = (State.EXITING, State.KILLED)
 
 
-class Ends(Run):
+class Ends(Queries):
     def _child_event(self, event: ev.Event) -> None:
         child = self.children.get(getattr(event, "child", -1))
         if child is None or child.state is State.GONE:

@@ -16,17 +16,17 @@ from spawnrun.dispatch.state import PEER
 from spawnrun.dispatch.units import MOVING
 
 if TYPE_CHECKING:
-    from spawnrun.dispatch.state import Run
+    from spawnrun.dispatch.queries import Queries
 
 
-def can_move(run: Run, head: str) -> bool:
+def can_move(run: Queries, head: str) -> bool:
     """Whether an event will still come that may let ``head`` start."""
     if any(c.state in MOVING for c in run.not_gone()):
         return True
     return run.peers_hold()
 
 
-def explain(run: Run, test: str) -> str:
+def explain(run: Queries, test: str) -> str:
     """What ``test`` waits for, in a phrase."""
     entry = run.tests[test]
     plan = entry.test
@@ -49,7 +49,7 @@ def explain(run: Run, test: str) -> str:
     return f"{run.wanted(plan)} device(s) {need} ({held})"
 
 
-def dump(run: Run, test: str) -> str:
+def dump(run: Queries, test: str) -> str:
     """The report of a test nothing could start: what it waited for, and the whole state."""
     lines = [
         f"spawnrun: nothing could start this test: it waited for {explain(run, test)}, "

@@ -2,7 +2,7 @@
 and how long it ran (from its go to its end: setup, call and teardown in its child).
 
 Runs in the parent. ``--spawn-pack auto`` budgets a test from the peak an earlier run
-recorded for it; the dispatcher backfills by durations (``dispatch.core``). The records
+recorded for it; the dispatcher backfills by durations (``dispatch.starts``). The records
 do not only grow: those of files that are gone are dropped, and so are those of tests
 that a whole file's collection no longer yields (a test renamed or removed). A file
 counts as wholly collected when the command line names it (or a folder above it) rather
