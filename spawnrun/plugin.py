@@ -43,6 +43,7 @@ from spawnrun.config._plan import _skipped_statically
 from spawnrun.config._plan import _spawns
 from spawnrun.devices import _devices
 from spawnrun.devices import _inventory
+from spawnrun.devices import _ledger
 from spawnrun.devices import _packing
 from spawnrun.driver import _cudawatch
 from spawnrun.driver import _early
@@ -161,7 +162,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if _xdist_worker():
         ledger = getattr(config, "workerinput", {}).get(LEDGER_INPUT)
     elif _xdist_controller(config):
-        ledger_dir = str(_devices.private_dir())
+        ledger_dir = str(_ledger.private_dir())
         config.stash[LEDGER_KEY] = ledger_dir
         # Also when a later plugin's configure fails and no session ever finishes.
         config.add_cleanup(lambda: shutil.rmtree(ledger_dir, ignore_errors=True))
@@ -193,7 +194,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if holder is None and head is not None:
         head.close()  # the template started early is not wanted after all
     scheduler = config.stash[SCHEDULER_KEY] = _drive.Driver(
-        _devices.allocator_for(inventory.ids, ledger, capacity, per_gpu),
+        _ledger.allocator_for(inventory.ids, ledger, capacity, per_gpu),
         limit,
         settings.settle,
         lookahead,

@@ -21,6 +21,7 @@ from spawnrun.launch import _forkserver
 from spawnrun.launch import _runner
 from spawnrun.proc import _probe
 from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _replies
 from spawnrun.wire import _reports
 
 NO_INTERNAL = "*INTERNALERROR*"
@@ -1076,7 +1077,7 @@ def _frame(msg: object) -> bytes:
 def test_a_childs_stream_is_read_without_waiting_and_decoded_without_imports():
     read_end, write_end = os.pipe()
     stream = _runner.Stream()
-    frame = _frame(proto.Phase("call"))
+    frame = _frame(_replies.Phase("call"))
     os.write(write_end, frame + frame[:3])
     assert [m.when for m in stream.read(read_end)] == ["call"]
     assert stream.read(read_end) == [] and not stream.ended  # the rest is not waited for

@@ -15,7 +15,7 @@ from spawnrun.driver import _ending
 from spawnrun.driver._ending import Ending
 from spawnrun.driver._ending import Stage
 from spawnrun.launch import _runner
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _replies
 from spawnrun.wire import _reports
 
 
@@ -90,7 +90,7 @@ def test_an_exit_is_reaped_then_settled_and_its_last_words_kept(group, monkeypat
     child = StandIn()
     e = ending(child, Stage.EXITING)
     assert e.listening
-    child.words = [proto.After(["teardown of the session failed"])]
+    child.words = [_replies.After(["teardown of the session failed"])]
     group.append(999)  # a process the test left behind
     e.on_exit()
     assert child.gone and e.stage is Stage.REAPING

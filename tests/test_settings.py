@@ -9,7 +9,6 @@ import pytest
 
 from spawnrun.config import _parse
 from spawnrun.config import _settings
-from spawnrun.devices import _devices
 from spawnrun.devices import _inventory
 
 
@@ -285,14 +284,14 @@ def test_no_spawn_on_the_command_line_wins_over_addopts(pytester):
     ],
 )
 def test_one_device_id_alone_is_written_with_a_trailing_comma(value, normal, ids):
-    assert _devices.parse_gpus(value, "--spawn-gpus") == normal
+    assert _inventory.parse_gpus(value, "--spawn-gpus") == normal
     assert _inventory.inventory(normal, {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}).ids == ids
 
 
 @pytest.mark.parametrize("bad", [",", "0,,", ",0", "0,1,,"])
 def test_a_comma_without_a_device_is_refused(bad):
     with pytest.raises(pytest.UsageError, match=r"one index alone: 0,\), got"):
-        _devices.parse_gpus(bad, "--spawn-gpus")
+        _inventory.parse_gpus(bad, "--spawn-gpus")
 
 
 def test_source_of_names_where_a_value_came_from():

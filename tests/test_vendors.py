@@ -12,7 +12,9 @@ import vendor_standins as standins
 
 from spawnrun.config import _settings
 from spawnrun.devices import _devices
+from spawnrun.devices import _discovery
 from spawnrun.devices import _inventory
+from spawnrun.devices import _nvml
 from spawnrun.devices import _vendors
 
 GiB = 2**30
@@ -23,14 +25,14 @@ NONE = {"CUDA_VISIBLE_DEVICES": ""}
 def no_tools(monkeypatch, tmp_path):
     """No vendor's tool and no NVML, whatever the host running these tests has."""
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
-    monkeypatch.setattr(_vendors, "load_nvml", lambda: None)
+    monkeypatch.setattr(_nvml, "load_nvml", lambda: None)
     yield
     _inventory.activate(None)
 
 
 def with_nvml(monkeypatch, tmp_path, gpus):
     nvml = standins.nvml_module(monkeypatch, tmp_path, gpus)
-    monkeypatch.setattr(_vendors, "load_nvml", lambda: nvml)
+    monkeypatch.setattr(_nvml, "load_nvml", lambda: nvml)
     return nvml
 
 
@@ -138,7 +140,7 @@ def test_nvidia_smi_lists_mig_instances_in_place_of_their_gpu(tmp_path):
         "  MIG 1g.18gb     Device  1: (UUID: MIG-bbbb0000-2222)\n"
         "GPU 1: NVIDIA H200 (UUID: GPU-6b2f0000-3333)\n"
     )
-    found = [(d.label, d.token, d.mig) for d in _vendors.parse_nvidia_smi(text)]
+    found = [(d.label, d.token, d.mig) for d in _discovery.parse_nvidia_smi(text)]
     assert found == [
         ("0:mig0", "MIG-aaaa0000-1111", True),
         ("0:mig1", "MIG-bbbb0000-2222", True),
@@ -223,7 +225,7 @@ def test_sycl_ls_finds_level_zero_gpus(tmp_path):
     assert inv.child_env(["1"], every=False) == {"ZE_AFFINITY_MASK": "1"}
     assert inv.child_env([], every=False) == NONE  # Level Zero has no value for none
     old_style = "[ext_oneapi_level_zero:gpu:0] Intel(R) Level-Zero, Intel(R) Arc(TM) A770 1.3"
-    assert [d.token for d in _vendors.parse_sycl_ls(old_style)] == ["0"]
+    assert [d.token for d in _discovery.parse_sycl_ls(old_style)] == ["0"]
 
 
 def test_xpu_smi_is_intels_second_tool(tmp_path):

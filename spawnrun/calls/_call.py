@@ -176,7 +176,7 @@ def _visible_devices(devices: object, who: str = "spawnrun.call") -> str | None:
             f"{who}: devices= takes None, a str such as '0,1', an int or a list/tuple "
             f"of ints and device names, not {type(devices).__name__}"
         )
-    from spawnrun.devices._devices import _is_device_id as is_device_id
+    from spawnrun.devices._inventory import _is_device_id as is_device_id
 
     names: list[str] = []
     for item in items:

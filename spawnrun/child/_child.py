@@ -40,7 +40,8 @@ from spawnrun.proc import _bytecode
 from spawnrun.proc import _coverage
 from spawnrun.proc import _main
 from spawnrun.proc import _probe
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _orders
+from spawnrun.wire import _replies
 
 #: On the configuration of the session this process runs its test in (``_configure``
 #: made it): the plugin then leaves running tests to pytest instead of spawning again.
@@ -56,7 +57,7 @@ def owns(config: pytest.Config) -> bool:
 
 
 def main(
-    spec: proto.ChildSpec, conn: Connection, forked: bool = False, parent: int | None = None
+    spec: _orders.ChildSpec, conn: Connection, forked: bool = False, parent: int | None = None
 ) -> NoReturn:
     _bytecode.start()  # forked: the template's environment was replaced by the test's
     _streams.arm()  # a file's template here forks its tests with what they seeded
@@ -83,7 +84,7 @@ def main(
     leave(0)
 
 
-def _configure(spec: proto.ChildSpec, args: list[str], relay: Relay) -> Any:
+def _configure(spec: _orders.ChildSpec, args: list[str], relay: Relay) -> Any:
     """pytest configured as the parent's, to collect ``args``, with ``relay`` plugged in."""
     config = _from_dict_args(spec.option_dict, [*spec.plugin_args, *args], spec.plugin_args)
     # The conftests are loaded now: values of their types decode to their classes.
@@ -152,14 +153,14 @@ def _ended(relay: Relay, code: Any) -> None:
         # pytest ended before the test was even looked for: an error in a hook at
         # configure or collection time (INTERNALERROR), told to the child's own
         # terminal reporter. Its words are the cause: send them.
-        relay.send(proto.Booted(os.getpid(), False, relay.ended_early(code), failed=True))
+        relay.send(_replies.Booted(os.getpid(), False, relay.ended_early(code), failed=True))
         relay.booted = True
 
 
 def _failed(relay: Relay) -> None:
     if not relay.booted:
         relay.send(
-            proto.Booted(
+            _replies.Booted(
                 os.getpid(),
                 False,
                 "error while starting pytest in the child:\n" + traceback.format_exc(),
@@ -170,7 +171,7 @@ def _failed(relay: Relay) -> None:
         relay.notes.append("error in the child after the test:\n" + traceback.format_exc())
 
 
-def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
+def configured(spec: _orders.ChildSpec, serving: Any) -> NoReturn:
     """A configured template (``_configured``): configure pytest as ``main`` does, with
     the parent's own arguments, and start the session; ``serving`` forks each test where
     the session would collect. Returns only in a fork, whose session then ends here as
@@ -207,7 +208,7 @@ def configured(spec: proto.ChildSpec, serving: Any) -> NoReturn:
 
 
 def take_over(
-    config: Any, spec: proto.ChildSpec, conn: Connection, parent: int, streams: list[int]
+    config: Any, spec: _orders.ChildSpec, conn: Connection, parent: int, streams: list[int]
 ) -> None:
     """A configured template's fork becomes the test's child: what ``main`` and
     ``isolate`` do before pytest collects, with the test's spec. ``streams``: the
@@ -252,7 +253,7 @@ def _output_to(log_path: str | None, streams: list[int]) -> None:
         os.close(stream)
 
 
-def isolate(spec: proto.ChildSpec, conn: Connection, parent: int | None = None) -> Relay:
+def isolate(spec: _orders.ChildSpec, conn: Connection, parent: int | None = None) -> Relay:
     """Make this process a test's own: session, output, crash stacks, capture buffers."""
     _probe.die_with_parent(parent)
     # Own session and process group: the parent can kill everything the test

@@ -41,7 +41,10 @@ from spawnrun.child._leave import DUMP_SIGNAL
 from spawnrun.proc import _bytecode
 from spawnrun.proc import _libraries
 from spawnrun.proc import _probe
+from spawnrun.wire import _identity
+from spawnrun.wire import _orders
 from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _replies
 
 #: Plugins that run each test in a fork of the process (pytest-forked, and a local copy
 #: loaded as ``-p forked``): gone from the child before any test runs.
@@ -147,7 +150,7 @@ def wanted_paths(args: list[str], invocation_dir: str) -> tuple[set[str], tuple[
 class Relay:
     """Child-side pytest plugin: finds the test, waits for the go, streams reports."""
 
-    def __init__(self, spec: proto.ChildSpec, conn: Connection, stacks: IO[str]) -> None:
+    def __init__(self, spec: _orders.ChildSpec, conn: Connection, stacks: IO[str]) -> None:
         self.spec = spec
         self.conn = conn
         self.stacks = stacks
@@ -161,7 +164,7 @@ class Relay:
         #: The test being run (the spec's, then later ones of its scope).
         self.current = spec.nodeid
         #: The last ``Go`` taken between tests (a template's spare fork takes it too).
-        self.last_go: proto.Go | None = None
+        self.last_go: _orders.Go | None = None
         self.config: Any = None
         #: Reports of the current execution made but not yet logged, by phase.
         self.made: dict[str, Any] = {}
@@ -179,9 +182,9 @@ class Relay:
         self.undo: list[Callable[[], None]] = []
 
     def _left_running(self, processes: list[str], pids: list[int]) -> None:
-        self.send(proto.LeftRunning(self.current, processes, pids))
+        self.send(_replies.LeftRunning(self.current, processes, pids))
 
-    def send(self, msg: proto.Message) -> None:
+    def send(self, msg: _replies.Message) -> None:
         # Plain data only, whatever the test put in it (a tensor, an instance of a class
         # of its own): the parent must read every message without importing anything.
         fields = {f.name: proto.plain(getattr(msg, f.name)) for f in dataclasses.fields(msg)}
@@ -246,7 +249,7 @@ class Relay:
 
         def add_attribute(name: str, value: object) -> None:
             if self.spec.junit_family:
-                self.send(proto.XmlAttribute(str(name), str(value)))
+                self.send(_replies.XmlAttribute(str(name), str(value)))
 
         return add_attribute
 
@@ -263,7 +266,7 @@ class Relay:
                 __tracebackhide__ = True
                 if not isinstance(name, str):
                     raise TypeError(f"name parameter needs to be a string, but {type(name)} given")
-                send(proto.SuiteProperty(name, str(value)))
+                send(_replies.SuiteProperty(name, str(value)))
 
             return record
 
@@ -312,7 +315,7 @@ class Relay:
                 imported = self._imported()
                 load = self._cpu_load()
                 self.send(
-                    proto.Done(
+                    _replies.Done(
                         self.notes,
                         terminal,
                         peak,
@@ -326,7 +329,7 @@ class Relay:
                 if self.sink is not None:
                     self.sink.to_own()  # the session's end is no part of the test
             elif self.notes:
-                self.send(proto.After(self.notes))
+                self.send(_replies.After(self.notes))
         except OSError:
             pass  # the parent is gone or no longer listening: nothing left to tell
         self.notes = []
@@ -353,12 +356,12 @@ class Relay:
         wanted = self.spec.nodeid
         item = next((i for i in session.items if i.nodeid == wanted), None)
         if item is None:
-            self.send(proto.Booted(os.getpid(), False, self._not_found(session)))
+            self.send(_replies.Booted(os.getpid(), False, self._not_found(session)))
             self.booted = True
             return
         problem = self._bind_parents(item)
         if problem:
-            self.send(proto.Booted(os.getpid(), False, problem))
+            self.send(_replies.Booted(os.getpid(), False, problem))
             self.booted = True
             return
         unsafe = _zygote_refusal() if self.spec.fork_each else ""
@@ -369,14 +372,16 @@ class Relay:
             touched = "driver"
         self.boot_modules = _libraries.mark()
         self.send(
-            proto.Booted(os.getpid(), True, not_a_template=unsafe, waited=waited, touched=touched)
+            _replies.Booted(
+                os.getpid(), True, not_a_template=unsafe, waited=waited, touched=touched
+            )
         )
         self.booted = True
         try:
             go = self.conn.recv()
         except (EOFError, OSError):
             return  # the parent stopped the run before this test's turn
-        if not isinstance(go, proto.Go):
+        if not isinstance(go, _orders.Go):
             return
         # Everything the boot created (imports, collection) lives until the process
         # ends: keep the collector off it, so the session's end (pytest collects garbage
@@ -425,7 +430,7 @@ class Relay:
             msg = self.conn.recv()
         except (EOFError, OSError):
             return False
-        if not isinstance(msg, proto.Assign):
+        if not isinstance(msg, _orders.Assign):
             return False
         self.spec = msg.onto(self.spec)
         self.current = msg.nodeid
@@ -445,7 +450,7 @@ class Relay:
             self._interrupted(_keyboard_interrupt(exc))
             raise
         except pytest.exit.Exception as exc:
-            self._interrupted(proto.Interrupted(False, exc.msg, exc.returncode))
+            self._interrupted(_replies.Interrupted(False, exc.msg, exc.returncode))
             raise
 
     def _next_test(self, by_id: dict[str, Any]) -> Any:
@@ -480,7 +485,7 @@ class Relay:
         imported = self._imported()
         load = self._cpu_load()
         self.send(
-            proto.Done(
+            _replies.Done(
                 self.notes,
                 terminal,
                 peak,
@@ -501,17 +506,17 @@ class Relay:
             go = self.conn.recv()
         except (EOFError, OSError):
             return None
-        if not isinstance(go, proto.Go) or go.nodeid not in by_id:
+        if not isinstance(go, _orders.Go) or go.nodeid not in by_id:
             return None
         item = by_id[go.nodeid]
         problem = self.take_go(item, go)
         if problem:
-            self.send(proto.Booted(os.getpid(), False, problem))
+            self.send(_replies.Booted(os.getpid(), False, problem))
             return None
         self.last_go = go
         return item
 
-    def take_go(self, item: Any, go: proto.Go) -> str:
+    def take_go(self, item: Any, go: _orders.Go) -> str:
         """``item`` bound to the parent's parameters, the parent's environment at its
         turn taken: "" once done, else why it cannot be (a template's spare fork takes
         its test's ``Go`` the same way)."""
@@ -532,7 +537,7 @@ class Relay:
         _probe.release_devices()
         self.finish()
 
-    def _interrupted(self, msg: proto.Interrupted) -> None:
+    def _interrupted(self, msg: _replies.Interrupted) -> None:
         """The test stopped the session: say so, and say "done" before pytest ends here.
 
         The child's own session end (its "no tests ran" line and exit banner) is no part
@@ -591,9 +596,9 @@ class Relay:
         if when == "setup":
             self.made.clear()
         for report in self.made.values():  # made, not logged: sent in case we die
-            self.send(proto.Report(self._serializable(report), pending=True))
+            self.send(_replies.Report(self._serializable(report), pending=True))
         self.made.clear()
-        self.send(proto.Phase(when))
+        self.send(_replies.Phase(when))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: Any, call: Any) -> Any:
@@ -612,7 +617,7 @@ class Relay:
         self.made.pop(report.when, None)
         data = self._serializable(report)
         rendered = hasattr(report.longrepr, "toterminal") and isinstance(data.get("longrepr"), str)
-        self.send(proto.Report(data, terminal=self._terminal_since(), rendered=rendered))
+        self.send(_replies.Report(data, terminal=self._terminal_since(), rendered=rendered))
 
     def _serializable(self, report: Any) -> Any:
         config = self.config
@@ -637,7 +642,7 @@ class Relay:
             return
         category = warning_message.category
         self.send(
-            proto.WarningRecord(
+            _replies.WarningRecord(
                 message=str(warning_message.message),
                 category_module=category.__module__,
                 category_name=category.__qualname__,
@@ -664,7 +669,7 @@ class Relay:
             said = "\n".join(self.internal_errors)[-_EARLY_TAIL:].strip()
         return f"{text}; the child's pytest said:\n{said}" if said else text
 
-    def _bind_parents(self, item: Any, theirs: dict[str, proto.Binding] | None = None) -> str:
+    def _bind_parents(self, item: Any, theirs: dict[str, _orders.Binding] | None = None) -> str:
         """Make the child's test the parent's; "" once it is, else why it cannot be.
 
         Where the child's values read as the parent's, the child's own run (as they
@@ -674,7 +679,7 @@ class Relay:
         not pickle, or does not unpickle here) leaves another test under this id: that
         is refused, never run.
         """
-        mine = proto.spellings(item)
+        mine = _identity.spellings(item)
         theirs = self.spec.params if theirs is None else theirs
         differ = sorted(k for k in mine if k in theirs and mine[k] != theirs[k].spelling)
         if set(mine) != set(theirs):
@@ -695,13 +700,14 @@ class Relay:
         return ""
 
     def _other_test(
-        self, item: Any, bindings: dict[str, proto.Binding], mine: dict[str, str], why: str
+        self, item: Any, bindings: dict[str, _orders.Binding], mine: dict[str, str], why: str
     ) -> str:
         theirs = {k: b.spelling for k, b in bindings.items()}
         return (
             f"node id {item.nodeid!r} names another test in the child "
             f"(collected args: {' '.join(self.spec.args)}): the parent's binds "
-            f"{proto.describe(theirs)}, the child's binds {proto.describe(mine)}, and {why}. "
+            f"{_identity.describe(theirs)}, the child's binds {_identity.describe(mine)}, "
+            f"and {why}. "
             "Its parameters come from data that differs between interpreters (random "
             "values drawn at import: seed them; a set, whose order follows the hash seed: "
             "sort it or set PYTHONHASHSEED) or from collection-time state (a counter in "
@@ -749,7 +755,7 @@ def _peaks() -> tuple[int | None, int | None]:
     return (sum(peaks), max(peaks)) if peaks else (None, None)
 
 
-def _take_environment(go: proto.Go) -> None:
+def _take_environment(go: _orders.Go) -> None:
     """The parent's environment as it is at this test's turn (its devices were set
     before this process started and are not part of it)."""
     for name in go.env_unset:
@@ -757,14 +763,14 @@ def _take_environment(go: proto.Go) -> None:
     os.environ.update(go.env_set)
 
 
-def _keyboard_interrupt(exc: KeyboardInterrupt) -> proto.Interrupted:
+def _keyboard_interrupt(exc: KeyboardInterrupt) -> _replies.Interrupted:
     """A KeyboardInterrupt raised by the test, with where pytest would say it was raised."""
     path, lineno = "", 0
     with contextlib.suppress(Exception):
         crash = pytest.ExceptionInfo.from_exception(exc).getrepr().reprcrash
         if crash is not None:
             path, lineno = str(crash.path), int(crash.lineno)
-    return proto.Interrupted(True, str(exc), None, path, lineno)
+    return _replies.Interrupted(True, str(exc), None, path, lineno)
 
 
 def _continue_reruns(item: Any, done: int) -> None:

@@ -33,7 +33,7 @@ import pytest
 from spawnrun.child import _leave
 from spawnrun.child import _rehearse
 from spawnrun.proc import _probe
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _replies
 
 
 def fork_each(relay: Any, item: Any, then: list[Any], by_id: dict[str, Any]) -> None:
@@ -261,7 +261,7 @@ def _ends_before_go(relay: Any, fork: _Said) -> bool:
     if pidfd is None:
         return True  # an older kernel: wait for it as before
     try:
-        left = max(0.0, fork.done_at + proto.FORK_EXIT_LIMIT - time.monotonic())
+        left = max(0.0, fork.done_at + _replies.FORK_EXIT_LIMIT - time.monotonic())
         ready = wait([relay.conn, pidfd], left)
         return not ready or pidfd in ready
     finally:
@@ -287,7 +287,7 @@ def _ended(
         # Its test is over and reported: how its process ended is a warning on that
         # test (named), told before the template's next fork or once that one said
         # "done"; the template goes on (the next test is not to blame).
-        relay.send(proto.ForkEnded(pid, code, killed, nodeid))
+        relay.send(_replies.ForkEnded(pid, code, killed, nodeid))
         return
     if os.WIFSIGNALED(status):
         _die_by(os.WTERMSIG(status))
@@ -327,7 +327,7 @@ def _wait_for(
             if done_at is None and not heard_all:
                 watch.append(said_done)
             elif done_at is not None and not killed:
-                left = done_at + proto.FORK_EXIT_LIMIT - time.monotonic()
+                left = done_at + _replies.FORK_EXIT_LIMIT - time.monotonic()
                 if left <= 0:
                     _signal_quietly(pid, signal.SIGKILL)
                     killed = True
@@ -360,7 +360,7 @@ def _forked(relay: Any, item: Any, more: bool, serial: int, template: int, told:
         # Its stacks are the test's: where the template's would go (it forwards the
         # parent's request), not among the processes below the test.
         faulthandler.register(_leave.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
-        relay.send(proto.ForkedTest(os.getpid()))
+        relay.send(_replies.ForkedTest(os.getpid()))
         base = getattr(item.config.option, "basetemp", None)
         if base:
             point_basetemp(item.config, f"{base}-{serial}")

@@ -35,7 +35,7 @@ from spawnrun.config._parse import parse_pycache
 from spawnrun.config._parse import parse_scope
 from spawnrun.config._parse import parse_template
 from spawnrun.config._parse import parse_timeout
-from spawnrun.devices import _devices
+from spawnrun.devices import _inventory
 from spawnrun.devices import _vendors
 
 
@@ -169,7 +169,7 @@ SETTINGS: tuple[Setting, ...] = (
         env="SPAWNRUN_GPUS",
         marker_kwarg=None,
         default="auto",
-        parse=_devices.parse_gpus,
+        parse=_inventory.parse_gpus,
         help="GPUs to hand out: auto (CUDA_VISIBLE_DEVICES, NVML, nvidia-smi), none, "
         "a count, or ids such as 0,1,3 (device 0 alone: 0,)",
         metavar="GPUS",

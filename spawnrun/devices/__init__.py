@@ -1,3 +1,4 @@
-"""Devices: the inventory and its vendors, the ledger of claims, NVML, and the packing
-policy (which tests may share a device). Runs in the parent, never touching CUDA.
+"""Devices: the inventory, its vendors and their discovery, NVML, the allocator and the
+xdist ledger of claims, and the packing policy (which tests may share a device). Runs in
+the parent, never touching CUDA.
 """

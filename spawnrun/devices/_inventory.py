@@ -6,6 +6,7 @@ Runs in the parent. ``inventory`` resolves ``--spawn-gpus`` and the vendor
 token its child's visibility variable gets, its memory where the vendor's tool reported
 it, and how NVML finds it. The plugin activates the run's inventory once; children's
 environments (``child_env``) and NVML lookups (``_devices``) read tokens from it.
+``parse_gpus`` validates a ``--spawn-gpus`` value.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from spawnrun.devices import _discovery
+from spawnrun.devices import _nvml
 from spawnrun.devices import _vendors
 
 #: Why a test needing several devices cannot run on MIG instances.
@@ -36,15 +39,15 @@ class Inventory:
 
     ids: tuple[str, ...]
     source: str
-    devices: tuple[_vendors.Device, ...] = ()
+    devices: tuple[_discovery.Device, ...] = ()
     vendor: str = "nvidia"
     variables: tuple[str, ...] = (_vendors.CUDA_VAR,)
 
-    def device(self, label: str) -> _vendors.Device:
+    def device(self, label: str) -> _discovery.Device:
         for found in self.devices:
             if found.label == label:
                 return found
-        return _vendors.Device(label, label, nvml=label, mig=label.startswith("MIG-"))
+        return _discovery.Device(label, label, nvml=label, mig=label.startswith("MIG-"))
 
     @property
     def mig(self) -> bool:
@@ -116,7 +119,7 @@ def discover(environ: Mapping[str, str], vendor: str = "auto") -> Inventory:
     on as written, a subset to each child, so they mean what they meant to the user;
     devices found by NVML or a tool are handed out as tokens that name exactly them.
     """
-    nvml = _vendors.load_nvml() if vendor in ("auto", "nvidia") else None
+    nvml = _nvml.load_nvml() if vendor in ("auto", "nvidia") else None
     chosen = _vendors.choose(vendor, environ, nvml is not None)
     mask = _vendors.outer_mask(chosen, environ)
     if mask is not None:
@@ -125,12 +128,12 @@ def discover(environ: Mapping[str, str], vendor: str = "auto") -> Inventory:
         devices = tuple(_given(chosen, token, environ, nvml) for token in ids)
         gets = f"; each child gets a subset of it{_into(carriers, variable)}"
         return Inventory(tuple(ids), f"from {variable}{gets}", devices, chosen.name, carriers)
-    found: tuple[list[_vendors.Device], str] | None = None
+    found: tuple[list[_discovery.Device], str] | None = None
     if chosen is _vendors.NVIDIA and nvml is not None:
         with contextlib.suppress(Exception):
-            found = _vendors.from_nvml(nvml)
+            found = _nvml.from_nvml(nvml)
     if found is None:
-        found = chosen.find(_vendors.run_tool)
+        found = chosen.find(_discovery.run_tool)
     if found is not None and not found[0]:
         return Inventory((), f"{chosen.name}, {found[1]}: no devices listed", vendor=chosen.name)
     if found is not None:
@@ -152,10 +155,10 @@ def _into(carriers: tuple[str, ...], variable: str) -> str:
 
 def _given(
     vendor: _vendors.Vendor, token: str, environ: Mapping[str, str], nvml: Any
-) -> _vendors.Device:
+) -> _discovery.Device:
     """An id the user gave (an outer mask, or --spawn-gpus), handed on as written."""
-    name = _vendors.nvml_index(token, environ, nvml) if vendor is _vendors.NVIDIA else None
-    return _vendors.Device(token, token, nvml=name, mig=token.startswith("MIG-"))
+    name = _nvml.nvml_index(token, environ, nvml) if vendor is _vendors.NVIDIA else None
+    return _discovery.Device(token, token, nvml=name, mig=token.startswith("MIG-"))
 
 
 def inventory(setting: str, environ: Mapping[str, str], vendor: str = "auto") -> Inventory:
@@ -188,7 +191,7 @@ def _declared(
     ids: tuple[str, ...], source: str, environ: Mapping[str, str], vendor: str
 ) -> Inventory:
     """Ids trusted as given: each is its own token, in the vendor's innermost variable."""
-    nvml = _vendors.load_nvml() if vendor in ("auto", "nvidia") else None
+    nvml = _nvml.load_nvml() if vendor in ("auto", "nvidia") else None
     chosen = _vendors.choose(vendor, environ, nvml is not None)
     mask = _vendors.outer_mask(chosen, environ)
     carriers = _vendors.carriers(chosen, mask[0], environ) if mask else (chosen.own,)
@@ -197,3 +200,41 @@ def _declared(
         source += f"; each child gets {' and '.join(carriers)}"
     devices = tuple(_given(chosen, token, environ, nvml) for token in ids)
     return Inventory(ids, source, devices, chosen.name, carriers)
+
+
+def parse_gpus(value: object, source: str) -> str:
+    """Validate a ``--spawn-gpus`` value: auto, none, a count, or a comma list of device ids.
+
+    An id is an index (``0``) or a UUID as ``CUDA_VISIBLE_DEVICES`` takes it
+    (``GPU-...``, ``MIG-...``); each may appear once. A bare number is a count; a list may
+    end with a comma, which is how one index alone is written (``0,``: device 0).
+    The value is kept in that form: a single index keeps its comma.
+    """
+    text = str(value).strip()
+    if text.lower() in ("auto", "none") or text.isdigit():
+        return text.lower()
+    listed = text[:-1] if text.endswith(",") else text
+    ids = [t.strip() for t in listed.split(",")]
+    bad = [t for t in ids if not _is_device_id(t)]
+    if not listed or bad:
+        shown = ", ".join(repr(t) for t in bad) if listed else "nothing"
+        raise pytest.UsageError(
+            f"{source}: expected auto, none, a count or a comma-separated list of "
+            f"device ids (indices such as 0,1 or GPU-/MIG- UUIDs; one index alone: 0,), "
+            f"got {value!r} ({shown} is no device id)"
+        )
+    repeated = sorted({t for t in ids if ids.count(t) > 1})
+    if repeated:
+        raise pytest.UsageError(
+            f"{source}: device {', '.join(repeated)} is listed more than once in {value!r}; "
+            "each device is handed to one test at a time"
+        )
+    joined = ",".join(ids)
+    return joined + "," if joined.isdigit() else joined
+
+
+def _is_device_id(text: str) -> bool:
+    if text.isdigit():
+        return True
+    prefix, _, rest = text.partition("-")
+    return prefix in ("GPU", "MIG") and bool(rest) and not any(c.isspace() for c in rest)

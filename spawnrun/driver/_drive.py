@@ -21,7 +21,7 @@ test takes it, or a dismissed process until it is gone. Its claim is held from i
 ``Start`` until ``Released`` (the ending is gone: exited, reaped, released by NVML).
 
 Under pytest-xdist the workers share the devices through a file ledger
-(``_devices.Ledger``): the driver takes a child's claim there as it performs ``Start``,
+(``_ledger.Ledger``): the driver takes a child's claim there as it performs ``Start``,
 before any process exists (a peer that got there first: ``Denied``, and nothing is
 started), gives it back once the dispatcher has forgotten the child, and tells the
 dispatcher what the other workers hold (``Peers``) each time it feeds it. A worker's

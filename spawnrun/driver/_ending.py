@@ -28,7 +28,7 @@ import pytest
 from spawnrun.child import _leftovers
 from spawnrun.devices import _devices
 from spawnrun.launch import _runner
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _replies
 from spawnrun.wire import _reports
 
 #: After "done", how long a child may take to exit before what it left behind is ended
@@ -170,13 +170,13 @@ class Ending:
 
     # Events ------------------------------------------------------------------------------
 
-    def on_message(self, msg: proto.Message | _runner.Died) -> None:
-        if isinstance(msg, proto.After):
+    def on_message(self, msg: _replies.Message | _runner.Died) -> None:
+        if isinstance(msg, _replies.After):
             self.after_notes += msg.notes  # told as a warning once it is gone
-        elif isinstance(msg, proto.LeftRunning):
+        elif isinstance(msg, _replies.LeftRunning):
             self.pids.update(msg.pids)  # their memory is waited for like the child's
             warn_left_running(named(msg, self.item), msg)
-        elif isinstance(msg, proto.ForkEnded):
+        elif isinstance(msg, _replies.ForkEnded):
             # The template's word on this test's fork, read with its "done" (a loaded
             # parent reads both at once) or while it waits for the next test.
             warn_fork_ended(named(msg, self.item), msg)
@@ -295,7 +295,7 @@ class Ending:
 _BY_ID = pytest.StashKey[tuple[list[pytest.Item], int, dict[str, pytest.Item]]]()
 
 
-def named(msg: proto.ForkEnded | proto.LeftRunning, item: pytest.Item) -> pytest.Item:
+def named(msg: _replies.ForkEnded | _replies.LeftRunning, item: pytest.Item) -> pytest.Item:
     """The test ``msg`` names (``item`` where it names none, or none of the session's)."""
     if not msg.nodeid or msg.nodeid == item.nodeid:
         return item
@@ -310,10 +310,10 @@ def named(msg: proto.ForkEnded | proto.LeftRunning, item: pytest.Item) -> pytest
     return kept[2].get(msg.nodeid, item)
 
 
-def warn_fork_ended(item: pytest.Item, msg: proto.ForkEnded) -> None:
+def warn_fork_ended(item: pytest.Item, msg: _replies.ForkEnded) -> None:
     """Warn on ``item`` that its fork ended badly after its "done" (a template's word)."""
     if msg.killed:
-        text = _reports.STUCK_EXIT.format(s=proto.FORK_EXIT_LIMIT)
+        text = _reports.STUCK_EXIT.format(s=_replies.FORK_EXIT_LIMIT)
     elif msg.code:
         text = _reports.BAD_EXIT.format(code=msg.code)
     else:
@@ -327,7 +327,7 @@ def warn_fork_ended(item: pytest.Item, msg: proto.ForkEnded) -> None:
 LEFT_RUNNING_KEY = pytest.StashKey[int]()
 
 
-def warn_left_running(item: pytest.Item, msg: proto.LeftRunning) -> None:
+def warn_left_running(item: pytest.Item, msg: _replies.LeftRunning) -> None:
     """Warn on ``item`` that its process found processes still running as it left."""
     config = item.config
     config.stash[LEFT_RUNNING_KEY] = config.stash.get(LEFT_RUNNING_KEY, 0) + len(msg.pids)

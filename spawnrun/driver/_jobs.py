@@ -38,6 +38,7 @@ from itertools import count
 import pytest
 
 from spawnrun.child._budget import SECTION
+from spawnrun.devices import _allocator
 from spawnrun.devices import _devices
 from spawnrun.devices import _inventory
 from spawnrun.devices import _packing
@@ -49,7 +50,8 @@ from spawnrun.launch import _runner
 from spawnrun.launch import _starting
 from spawnrun.learn import _learned
 from spawnrun.learn import _unforked
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _identity
+from spawnrun.wire import _replies
 from spawnrun.wire import _reports
 from spawnrun.wire._reports import BUDGET_PROPERTY
 from spawnrun.wire._reports import CPU_LOAD_PROPERTY
@@ -136,7 +138,7 @@ class Job:
         self.settle = settle
         self.capacity = capacity or {}
         #: This job's claims in the allocator are made under this token.
-        self.token = _devices.token_for(next(_claims))
+        self.token = _allocator.token_for(next(_claims))
         #: The devices it claimed (its own, or all of them for a --spawn-gpu test).
         self.claimed: list[str] = []
         #: The most its test's process tree held on those devices at once, as sampled
@@ -171,7 +173,7 @@ class Job:
         self.granted = False
         self.replayed = False
         self.parent_error: pytest.TestReport | None = None
-        self.interrupted: proto.Interrupted | None = None
+        self.interrupted: _replies.Interrupted | None = None
         self.deadline: float | None = None
         #: When the child's pipe ended before its test's end, and why it cannot be read
         #: on ("": it was closed).
@@ -374,7 +376,7 @@ class Job:
     def _send_go(self) -> None:
         assert self.child is not None
         if self.previous is not None:  # adopted: the child is told which test
-            nodeid, params = self.item.nodeid, proto.bindings(self.item)
+            nodeid, params = self.item.nodeid, _identity.bindings(self.item)
             self.child.go(self.env_set, self.env_unset, nodeid, params)
         else:
             self.child.go(self.env_set, self.env_unset)
@@ -402,32 +404,32 @@ class Job:
         """Every report of the test is in (the child's, or the ones made for it)."""
         return self.state not in LISTENING
 
-    def on_message(self, msg: proto.Message | _runner.Died) -> None:
-        if isinstance(msg, proto.After):  # its session's end, after "done"
+    def on_message(self, msg: _replies.Message | _runner.Died) -> None:
+        if isinstance(msg, _replies.After):  # its session's end, after "done"
             if self.ending is not None:
                 self.ending.on_message(msg)
             return
-        if isinstance(msg, proto.XmlAttribute):
+        if isinstance(msg, _replies.XmlAttribute):
             self.replay.xml_attributes.append((msg.name, msg.value))
             return
-        if isinstance(msg, proto.SuiteProperty):
+        if isinstance(msg, _replies.SuiteProperty):
             _replay.suite_property(self.item.config, msg.name, msg.value)
             return
-        if isinstance(msg, proto.ForkEnded):  # the template's previous fork, after its test
+        if isinstance(msg, _replies.ForkEnded):  # the template's previous fork, after its test
             self._fork_ended(msg)
             return
-        if isinstance(msg, proto.LeftRunning):  # a test's process as it left (a fork's)
+        if isinstance(msg, _replies.LeftRunning):  # a test's process as it left (a fork's)
             self.pids.update(msg.pids)
             _ending.warn_left_running(_ending.named(msg, self.item), msg)
             return
-        if isinstance(msg, proto.ForkedTest):  # its template forked the process to run it
+        if isinstance(msg, _replies.ForkedTest):  # its template forked the process to run it
             self.forked_pid = msg.pid
             self.pids.add(msg.pid)  # its device memory is waited for like the child's
             return
         if self.state not in LISTENING:
             return  # e.g. a report after a timeout's kill: the test is already judged
         replay = self.replay
-        if isinstance(msg, proto.Booted) and msg.found:
+        if isinstance(msg, _replies.Booted) and msg.found:
             if msg.not_a_template:
                 self.refusals[self.plan.scope] = msg.not_a_template
                 self.template_pid = 0  # it runs its test itself
@@ -437,7 +439,7 @@ class Job:
                 self._send_go()
             elif self.state is State.AHEAD:
                 self.state = State.WAITING
-        elif isinstance(msg, proto.Booted):
+        elif isinstance(msg, _replies.Booted):
             self.problems.append(msg.problem)
             if self.candidates and not msg.failed:
                 self.retire_child()
@@ -459,9 +461,9 @@ class Job:
                 replay.fail("call", _reports.NOT_FOUND + "\n\n" + "\n\n".join(self.problems))
                 replay.ensure_teardown()
                 self._ended()
-        elif isinstance(msg, proto.Phase):
+        elif isinstance(msg, _replies.Phase):
             replay.enter(msg.when)
-        elif isinstance(msg, proto.Report):
+        elif isinstance(msg, _replies.Report):
             config = self.item.config
             try:
                 report = config.hook.pytest_report_from_serializable(config=config, data=msg.data)
@@ -475,11 +477,11 @@ class Job:
                 replay.add_pending(report)
             else:
                 replay.add(report, msg.terminal)
-        elif isinstance(msg, proto.WarningRecord):
+        elif isinstance(msg, _replies.WarningRecord):
             replay.warnings.append(_replay.warning_message(msg))
-        elif isinstance(msg, proto.Interrupted):
+        elif isinstance(msg, _replies.Interrupted):
             self.interrupted = msg
-        elif isinstance(msg, proto.Done):
+        elif isinstance(msg, _replies.Done):
             _learned.saw_imports(self.item.config, msg.imported)
             replay.terminal = msg.terminal
             self.peak_device_bytes = msg.peak_device_bytes
@@ -494,7 +496,7 @@ class Job:
         else:  # the pipe ended before "done": the child died, or cannot be heard
             self._pipe_ended(msg.cause)
 
-    def _fork_ended(self, msg: proto.ForkEnded) -> None:
+    def _fork_ended(self, msg: _replies.ForkEnded) -> None:
         """Warn on the test whose fork ended badly after its "done": the one it names,
         else this one's, or the previous test's of its template (its word comes before
         this test's fork)."""

@@ -16,6 +16,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
+from spawnrun.devices import _allocator
 from spawnrun.devices import _devices
 from spawnrun.driver import _early
 from spawnrun.driver import _status
@@ -37,7 +38,7 @@ _IDLE = 0.05
 class Loop(Summary):
     def __init__(
         self,
-        allocator: _devices.Allocator,
+        allocator: _allocator.Allocator,
         limit: int,
         settle: float | None,
         lookahead: int = 0,

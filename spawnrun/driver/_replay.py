@@ -19,7 +19,7 @@ from typing import NoReturn
 
 import pytest
 
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _replies
 from spawnrun.wire import _reports
 
 
@@ -268,7 +268,7 @@ def restore(report: pytest.TestReport, data: dict[str, Any], rendered: bool) -> 
             object.__setattr__(context, "kwargs", dict(sent["kwargs"]))
 
 
-def raise_interrupt(msg: proto.Interrupted) -> NoReturn:
+def raise_interrupt(msg: _replies.Interrupted) -> NoReturn:
     """Stop the parent's session as the child's test stopped its own.
 
     A KeyboardInterrupt is raised from a frame placed at the test's own line (code
@@ -294,7 +294,7 @@ def _xfail_of(item: pytest.Item) -> Any:
     return evaluate_xfail_marks(item)
 
 
-def warning_message(rec: proto.WarningRecord) -> warnings.WarningMessage:
+def warning_message(rec: _replies.WarningRecord) -> warnings.WarningMessage:
     """Rebuild a child's warning without importing anything in the parent.
 
     The class is taken from a module the parent already has (``sys.modules``); a

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from spawnrun.devices import _devices
 from spawnrun.devices import _inventory
+from spawnrun.devices import _ledger
 from spawnrun.devices import _packing
 from spawnrun.dispatch import Dispatcher
 from spawnrun.dispatch import events as ev
@@ -91,7 +91,7 @@ class Units(Loop):
         self._queued: list[ev.Event] = []
         #: Under xdist: the ledger, our claims in it (child -> devices), and the other
         #: workers' claims as last told.
-        self.ledger = self.allocator if isinstance(self.allocator, _devices.Ledger) else None
+        self.ledger = self.allocator if isinstance(self.allocator, _ledger.Ledger) else None
         self.claims: dict[int, tuple[str, ...]] = {}
         self.peers: tuple[tuple[str, int | None], ...] | None = None
         #: What earlier runs measured of each test's duration (``_learned``), once read.

@@ -45,7 +45,7 @@ from spawnrun.child._budget import PER_TEST_ENV
 from spawnrun.child._forksafe import unsafe_state
 from spawnrun.child._leave import leave
 from spawnrun.proc import _probe
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _forking
 
 #: Configured templates alive at once in a zygote (other kinds fork from the zygote).
 LIMIT = 8
@@ -57,7 +57,7 @@ ANSWER_LIMIT = 10.0
 _PER_TEST = frozenset({"PYTEST_CURRENT_TEST", *PER_TEST_ENV})
 
 
-def take_environment(request: proto.ForkRequest) -> None:
+def take_environment(request: _forking.ForkRequest) -> None:
     """The parent's environment as it was at the request, with the child's devices and
     marks: what a fork of the zygote or of a template has before any suite code runs."""
     for name in request.unset:
@@ -67,7 +67,7 @@ def take_environment(request: proto.ForkRequest) -> None:
     environ.update({k: v for k, v in request.env.items() if environ.get(k) != v})
 
 
-def _kind(request: proto.ForkRequest) -> bytes | None:
+def _kind(request: _forking.ForkRequest) -> bytes | None:
     """What a template must share with the test it forks for (None: none may fork it)."""
     spec = request.spec
     if not spec.run_args or not spec.nodeid or spec.coverage:
@@ -115,7 +115,7 @@ class Pool:
     def __init__(self) -> None:
         self.templates: list[_Template] = []
         #: Exit notices of tests' children, for the zygote to send on to the parent.
-        self.exits: list[proto.Exited] = []
+        self.exits: list[_forking.Exited] = []
         #: Kinds whose template refused or ended unasked: never started again.
         self.refused: set[bytes] = set()
 
@@ -125,9 +125,9 @@ class Pool:
 
     def fork(
         self,
-        request: proto.ForkRequest,
+        request: _forking.ForkRequest,
         handles: list[int],
-        start: Callable[[proto.ForkRequest], tuple[int, Connection] | None],
+        start: Callable[[_forking.ForkRequest], tuple[int, Connection] | None],
     ) -> int | None:
         """The pid of the test's child, forked by a ready template of its kind; None:
         the zygote forks it (and a template of its kind is started, if none is)."""
@@ -153,8 +153,8 @@ class Pool:
 
     def prime(
         self,
-        request: proto.ForkRequest,
-        start: Callable[[proto.ForkRequest], tuple[int, Connection] | None],
+        request: _forking.ForkRequest,
+        start: Callable[[_forking.ForkRequest], tuple[int, Connection] | None],
         wait: bool,
     ) -> None:
         """Start a template of ``request``'s kind now, if none serves it (``Prime``);
@@ -183,8 +183,8 @@ class Pool:
     def _start(
         self,
         kind: bytes,
-        request: proto.ForkRequest,
-        start: Callable[[proto.ForkRequest], tuple[int, Connection] | None],
+        request: _forking.ForkRequest,
+        start: Callable[[_forking.ForkRequest], tuple[int, Connection] | None],
     ) -> _Template | None:
         live = [t for t in self.templates if not t.retired]
         if len(live) >= LIMIT:
@@ -199,9 +199,9 @@ class Pool:
     def _answer(self, template: _Template) -> int | None:
         while template.conn.poll(ANSWER_LIMIT):
             msg = template.conn.recv()
-            if isinstance(msg, proto.Forked):
+            if isinstance(msg, _forking.Forked):
                 return msg.pid
-            if isinstance(msg, proto.Refused):
+            if isinstance(msg, _forking.Refused):
                 template.refusal = msg.reason
                 return None
             self._take(template, msg)
@@ -229,10 +229,10 @@ class Pool:
                 os.waitpid(template.pid, 0)
 
     def _take(self, template: _Template, msg: Any) -> None:
-        if isinstance(msg, proto.Configured):
+        if isinstance(msg, _forking.Configured):
             template.ready = True
             template.refusal = msg.refusal
-        elif isinstance(msg, proto.Exited):
+        elif isinstance(msg, _forking.Exited):
             self.exits.append(msg)
 
     def retire(self) -> None:
@@ -243,7 +243,7 @@ class Pool:
     def _retire(self, template: _Template) -> None:
         template.retired = True
         with contextlib.suppress(OSError):
-            template.conn.send(proto.Retire())
+            template.conn.send(_forking.Retire())
 
     def close_in_child(self) -> None:
         """In a process the zygote forked: none of the templates' ends are its own."""
@@ -262,7 +262,7 @@ def _reads_per_test() -> str:
     return f"the conftests read {', '.join(read)} while pytest was configured"
 
 
-def main(request: proto.ForkRequest, conn: Connection, zygote: int) -> NoReturn:
+def main(request: _forking.ForkRequest, conn: Connection, zygote: int) -> NoReturn:
     """The configured template (forked from the zygote). Never returns: it leaves when
     retired or when the zygote is gone; its forks leave at the end of their session."""
     serving = _Serving(conn)
@@ -277,7 +277,7 @@ def main(request: proto.ForkRequest, conn: Connection, zygote: int) -> NoReturn:
         if serving.forked:
             raise
         with contextlib.suppress(OSError):
-            conn.send(proto.Configured(os.getpid(), f"configuring pytest failed: {exc!r}"))
+            conn.send(_forking.Configured(os.getpid(), f"configuring pytest failed: {exc!r}"))
     leave(0)
 
 
@@ -309,12 +309,12 @@ class _Serving:
         _child.take_over(session.config, request.spec, Connection(fd), os.getppid(), streams)
         return (yield)
 
-    def _serve(self) -> tuple[proto.ForkRequest, int, list[int]]:
+    def _serve(self) -> tuple[_forking.ForkRequest, int, list[int]]:
         refusal = unsafe_state() or _reads_per_test()
         # What the configuration made lives as long as the template: the collector
         # neither scans it in each fork nor copies its pages by touching them.
         gc.freeze()
-        self.conn.send(proto.Configured(os.getpid(), refusal))
+        self.conn.send(_forking.Configured(os.getpid(), refusal))
         retired = bool(refusal)
         while not (retired and not self.children):
             if not retired and self.spare is None:
@@ -326,22 +326,22 @@ class _Serving:
                 pid = self.children.pop(pidfd)
                 os.close(pidfd)
                 _, status = os.waitpid(pid, 0)
-                self.conn.send(proto.Exited(pid, os.waitstatus_to_exitcode(status)))
+                self.conn.send(_forking.Exited(pid, os.waitstatus_to_exitcode(status)))
             if self.conn not in ready:
                 continue
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 break  # the zygote is gone, and our forks with us
-            if isinstance(msg, proto.Retire):
+            if isinstance(msg, _forking.Retire):
                 retired = True
                 self._drop_spare()
-            elif isinstance(msg, proto.ForkRequest):
+            elif isinstance(msg, _forking.ForkRequest):
                 self._hand_over(msg)
         self._drop_spare()
         leave(0)
 
-    def _hand_over(self, request: proto.ForkRequest) -> None:
+    def _hand_over(self, request: _forking.ForkRequest) -> None:
         """Give the request, and its pipe ends, to the spare; it is the test's child."""
         handles = [reduction.recv_handle(self.conn) for _ in range(3 if request.live else 1)]
         assert self.spare is not None
@@ -352,7 +352,7 @@ class _Serving:
             for handle in handles:
                 reduction.send_handle(pipe, handle, pid)
         except OSError as exc:
-            self.conn.send(proto.Refused(f"its fork is gone ({exc!r})"))
+            self.conn.send(_forking.Refused(f"its fork is gone ({exc!r})"))
             pipe.close()
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
@@ -362,9 +362,9 @@ class _Serving:
                 os.close(handle)
         pipe.close()
         self.children[os.pidfd_open(pid)] = pid
-        self.conn.send(proto.Forked(pid))
+        self.conn.send(_forking.Forked(pid))
 
-    def _fork_spare(self) -> tuple[proto.ForkRequest, int, list[int]] | None:
+    def _fork_spare(self) -> tuple[_forking.ForkRequest, int, list[int]] | None:
         ours, theirs = Pipe(duplex=True)
         pid = os.fork()
         if pid == 0:

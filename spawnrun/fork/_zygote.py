@@ -48,10 +48,10 @@ from spawnrun.child import _threadwatch
 from spawnrun.child._forksafe import unsafe_state
 from spawnrun.fork import _configured
 from spawnrun.proc import _probe
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _forking
 
 
-def main(spec: proto.ZygoteSpec, conn: Connection) -> NoReturn:
+def main(spec: _forking.ZygoteSpec, conn: Connection) -> NoReturn:
     _streams.arm()  # its forks, and the configured templates', keep what code seeded
     _threadwatch.arm()  # a refusal for a thread names the import that started it
     _probe.die_with_parent()  # and its children with it, through theirs
@@ -67,7 +67,7 @@ def main(spec: proto.ZygoteSpec, conn: Connection) -> NoReturn:
         template.serve()
     except BaseException:  # noqa: BLE001 - the parent must hear why, then spawns
         with contextlib.suppress(OSError):
-            conn.send(proto.ZygoteReady(os.getpid(), traceback.format_exc()))
+            conn.send(_forking.ZygoteReady(os.getpid(), traceback.format_exc()))
     # The parent is done with us (its session's end waits for this exit): leave as a
     # child does, exit work and all, without the interpreter's teardown of everything
     # imported here (~75 ms with torch).
@@ -96,7 +96,7 @@ def _rewriting(hook: Any) -> Iterator[None]:
             sys.meta_path.remove(hook)  # the suite's modules are the child's pytest's
 
 
-def _rewrite_hook(rewrite: proto.Rewrite) -> Any:
+def _rewrite_hook(rewrite: _forking.Rewrite) -> Any:
     """pytest's own import hook, with a stand-in for the two ini values it reads.
 
     pytest's internals: its rewriting hook has no public constructor, and its state
@@ -133,7 +133,7 @@ def _no_trace(*args: object) -> None:
 class _Template:
     """Imports what it is told, checking after each package; then forks on request."""
 
-    def __init__(self, conn: Connection, rewrite: proto.Rewrite | None = None) -> None:
+    def __init__(self, conn: Connection, rewrite: _forking.Rewrite | None = None) -> None:
         self.conn = conn
         #: pytest's rewriting hook as the parent's is set up (None: nothing rewritten).
         self.rewriter = _rewrite_hook(rewrite) if rewrite is not None else None
@@ -174,7 +174,7 @@ class _Template:
                 if answers is not None:
                     answers.restore()  # its forks ask CUDA themselves
             if learned:
-                self.conn.send(proto.Importing("", time.monotonic()))
+                self.conn.send(_forking.Importing("", time.monotonic()))
             _metadata.snapshot()  # each fork's pytest reads the installed packages from it
             # The garbage the imports left (cycles holding files, say) is collected once,
             # here, not at every threshold along the way (``_collector_paused``). What is
@@ -185,7 +185,7 @@ class _Template:
             if imported or not gc.get_freeze_count():  # nothing new: nothing to collect
                 gc.collect()
                 gc.freeze()
-        self.conn.send(proto.ZygoteReady(os.getpid(), self.refusal, culprit, failed, suspects))
+        self.conn.send(_forking.ZygoteReady(os.getpid(), self.refusal, culprit, failed, suspects))
 
     def _import(
         self,
@@ -206,7 +206,7 @@ class _Template:
                 continue  # imported already: nothing to check again
             imported = True
             if learned:
-                self.conn.send(proto.Importing(top, time.monotonic()))
+                self.conn.send(_forking.Importing(top, time.monotonic()))
             before = {m.partition(".")[0] for m in sys.modules}
             for name in names:
                 if answers is not None:
@@ -223,7 +223,7 @@ class _Template:
                 return imported, top, sorted({top} | (now - before))
         return imported, "", []
 
-    def update(self, path: list[str] | None, rewrite: proto.Rewrite | None) -> str:
+    def update(self, path: list[str] | None, rewrite: _forking.Rewrite | None) -> str:
         """Take the parent's ``sys.path`` and rewriting as they are now; say what is
         stale ("" if nothing): a module imported before that would now be found
         elsewhere first, or is now marked for rewriting but was imported plain."""
@@ -240,7 +240,7 @@ class _Template:
             sys.path[:] = path
         return ""
 
-    def changes(self, preload: proto.Preload) -> bool:
+    def changes(self, preload: _forking.Preload) -> bool:
         """Whether ``preload`` would change what a configured template forks from: a
         module not imported yet (collection's preload lists everything it imported,
         torch's hundreds of modules too), another ``sys.path`` or other rewriting."""
@@ -263,21 +263,21 @@ class _Template:
                 request = self.conn.recv()
             except (EOFError, OSError):
                 return  # the parent is done with us
-            if isinstance(request, proto.Preload):
+            if isinstance(request, _forking.Preload):
                 if self.changes(request):
                     self.pool.retire()  # configured before these imports, or another path
                 stale = self.update(request.path, request.rewrite)
                 if stale:
-                    self.conn.send(proto.ZygoteReady(os.getpid(), stale=stale))
+                    self.conn.send(_forking.ZygoteReady(os.getpid(), stale=stale))
                 else:
                     answers = _availability.WhileImporting(
                         request.cuda_available, request.torch_config
                     )
                     self.load(request.modules, request.learned, request.late, answers)
-            elif isinstance(request, proto.Prime):
+            elif isinstance(request, _forking.Prime):
                 if not self.refusal:
                     self.pool.prime(request.request, lambda r: self._configure(r, []), request.wait)
-            elif isinstance(request, proto.ForkRequest):
+            elif isinstance(request, _forking.ForkRequest):
                 fd = reduction.recv_handle(self.conn)
                 # With -s the child writes where the parent does, not to our log.
                 count = 2 if request.live else 0
@@ -293,9 +293,9 @@ class _Template:
         pid = self.children.pop(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
-        self.conn.send(proto.Exited(pid, os.waitstatus_to_exitcode(status)))
+        self.conn.send(_forking.Exited(pid, os.waitstatus_to_exitcode(status)))
 
-    def _fork(self, request: proto.ForkRequest, fd: int, streams: list[int]) -> None:
+    def _fork(self, request: _forking.ForkRequest, fd: int, streams: list[int]) -> None:
         handles = [fd, *streams]
         final = _environ.final_environment(request.env, request.unset)
         package, why = _environ.conflict(final)
@@ -307,7 +307,7 @@ class _Template:
         if why:  # its view of what was imported here would not be a spawned child's
             for handle in handles:
                 os.close(handle)
-            self.conn.send(proto.Declined(why, package))
+            self.conn.send(_forking.Declined(why, package))
             return
         pid = None
         if not self.refusal:
@@ -318,7 +318,7 @@ class _Template:
         if self.refusal:
             for handle in handles:
                 os.close(handle)
-            self.conn.send(proto.Refused(self.refusal))
+            self.conn.send(_forking.Refused(self.refusal))
             return
         if pid is None:
             template = os.getpid()
@@ -332,10 +332,10 @@ class _Template:
             self.children[os.pidfd_open(pid)] = pid
         for handle in handles:
             os.close(handle)
-        self.conn.send(proto.Forked(pid))
+        self.conn.send(_forking.Forked(pid))
 
     def _configure(
-        self, request: proto.ForkRequest, handles: list[int]
+        self, request: _forking.ForkRequest, handles: list[int]
     ) -> tuple[int, Connection] | None:
         """Fork a configured template for the kind of ``request`` (``_configured``);
         None where this process may not fork."""
@@ -436,7 +436,7 @@ def _found_elsewhere(path: list[str]) -> str:
 
 
 def _forked_child(
-    request: proto.ForkRequest, fd: int, template: Connection, inherited: list[int], parent: int
+    request: _forking.ForkRequest, fd: int, template: Connection, inherited: list[int], parent: int
 ) -> Any:
     try:
         template.close()

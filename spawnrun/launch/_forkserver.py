@@ -43,7 +43,7 @@ from typing import Any
 from spawnrun.child import _availability
 from spawnrun.config import _settings
 from spawnrun.devices import _inventory
-from spawnrun.devices import _vendors
+from spawnrun.devices import _nvml
 from spawnrun.fork import _declared
 from spawnrun.launch import _runner
 from spawnrun.learn import _learned
@@ -54,7 +54,8 @@ from spawnrun.proc import _probe
 from spawnrun.proc._libraries import is_library
 from spawnrun.proc._libraries import library_modules
 from spawnrun.proc._libraries import project_dirs
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _forking
+from spawnrun.wire import _orders
 from spawnrun.wire import _reports
 
 #: How long the template may take to import what it is told (all of it, rebuilds too).
@@ -119,7 +120,7 @@ def _found() -> dict[str, Any]:
 
 
 def _nvml_lists_a_device() -> bool:
-    nvml = _vendors.load_nvml()  # the driver's management library: no CUDA context
+    nvml = _nvml.load_nvml()  # the driver's management library: no CUDA context
     try:
         return nvml is not None and int(nvml.nvmlDeviceGetCount()) > 0
     except Exception:  # noqa: BLE001 - no answer is no device
@@ -127,7 +128,7 @@ def _nvml_lists_a_device() -> bool:
 
 
 class Zygote:
-    def __init__(self, spec: proto.ZygoteSpec, environ: Mapping[str, str]) -> None:
+    def __init__(self, spec: _forking.ZygoteSpec, environ: Mapping[str, str]) -> None:
         self.spec = spec
         self.conn, child_conn = _runner.CTX.Pipe(duplex=True)
         self.proc: Any = _runner.CTX.Process(
@@ -177,10 +178,10 @@ class Zygote:
         self,
         modules: list[str],
         path: list[str] | None = None,
-        rewrite: proto.Rewrite | None = None,
+        rewrite: _forking.Rewrite | None = None,
     ) -> None:
         with contextlib.suppress(OSError):
-            self.conn.send(proto.Preload(modules, path, rewrite, **_found()))
+            self.conn.send(_forking.Preload(modules, path, rewrite, **_found()))
             self.pending += 1
 
     def preload_all(
@@ -188,7 +189,7 @@ class Zygote:
         modules: list[str],
         learned: Collection[str],
         path: list[str] | None = None,
-        rewrite: proto.Rewrite | None = None,
+        rewrite: _forking.Rewrite | None = None,
         late: Collection[str] = (),
     ) -> None:
         """Preload ``modules``, those of ``learned`` last and bounded (``ready``);
@@ -200,7 +201,7 @@ class Zygote:
         if guessed:
             with contextlib.suppress(OSError):
                 later = frozenset(m for m in guessed if m in late)
-                self.conn.send(proto.Preload(guessed, learned=True, late=later, **_found()))
+                self.conn.send(_forking.Preload(guessed, learned=True, late=later, **_found()))
                 self.pending += 1
 
     @property
@@ -210,7 +211,7 @@ class Zygote:
 
     def ready(
         self, limit: float = BOOT_LIMIT, learned_limit: float | None = None
-    ) -> proto.ZygoteReady:
+    ) -> _forking.ZygoteReady:
         """Wait for every pending answer; the first one with a problem, else the last.
 
         Learned preloads get ``learned_limit`` seconds in all (``LEARNED_LIMIT``): past
@@ -218,7 +219,7 @@ class Zygote:
         """
         if learned_limit is None:
             learned_limit = LEARNED_LIMIT
-        answer = proto.ZygoteReady(self.pid)
+        answer = _forking.ZygoteReady(self.pid)
         end = time.monotonic() + limit
         while self.pending:
             learned_end = math.inf
@@ -226,7 +227,7 @@ class Zygote:
                 learned_end = self.importing_at + learned_limit - self.learned_spent
             # Polled even past the bound: its answer may be waiting, read late.
             reply = self._next(max(0.0, min(end, learned_end) - time.monotonic()))
-            if isinstance(reply, proto.Importing):
+            if isinstance(reply, _forking.Importing):
                 if self.importing and self.importing not in self.trusted:
                     self.learned_spent += reply.at - self.importing_at
                 self.importing, self.importing_at = reply.top, reply.at
@@ -234,35 +235,35 @@ class Zygote:
             if reply is None and self.listening and time.monotonic() >= learned_end:
                 took = f"importing it took over {learned_limit:g} s"
                 culprit = self.importing
-                return proto.ZygoteReady(self.pid, took, culprit, suspects=[culprit], slow=True)
+                return _forking.ZygoteReady(self.pid, took, culprit, suspects=[culprit], slow=True)
             if reply is None and not self.listening:
                 self.proc.join(1.0)  # it is gone: only its exit status is left to read
                 self.ended = (
                     f"the template ended before answering (exit status {self.proc.exitcode}; "
                     f"its output: {self.spec.log_path})"
                 )
-                return proto.ZygoteReady(self.pid, self.ended)
+                return _forking.ZygoteReady(self.pid, self.ended)
             self.pending -= 1
-            if not isinstance(reply, proto.ZygoteReady):
-                return proto.ZygoteReady(self.pid, f"it did not answer as expected: {reply!r}")
+            if not isinstance(reply, _forking.ZygoteReady):
+                return _forking.ZygoteReady(self.pid, f"it did not answer as expected: {reply!r}")
             self.failed += reply.failed
             if reply.problem or reply.stale:
                 return reply
             answer = reply
         return answer
 
-    def prime(self, spec: proto.ChildSpec, env: Mapping[str, str], wait: bool) -> None:
+    def prime(self, spec: _orders.ChildSpec, env: Mapping[str, str], wait: bool) -> None:
         """Have a template configured for tests like ``spec`` (no answer comes)."""
         with contextlib.suppress(OSError):
-            self.conn.send(proto.Prime(self._request(spec, env), wait))
+            self.conn.send(_forking.Prime(self._request(spec, env), wait))
 
-    def _request(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> proto.ForkRequest:
+    def _request(self, spec: _orders.ChildSpec, env: Mapping[str, str]) -> _forking.ForkRequest:
         unset = [k for k in self.environ if k not in os.environ]
-        return proto.ForkRequest(spec, {**os.environ, **env}, unset, spec.log_path is None)
+        return _forking.ForkRequest(spec, {**os.environ, **env}, unset, spec.log_path is None)
 
     def fork(
-        self, spec: proto.ChildSpec, env: Mapping[str, str]
-    ) -> ForkedChild | proto.Declined | str:
+        self, spec: _orders.ChildSpec, env: Mapping[str, str]
+    ) -> ForkedChild | _forking.Declined | str:
         """A forked child, why the template would not fork this test (``Declined``: it
         is spawned), or why it would not fork at all.
 
@@ -281,12 +282,12 @@ class Zygote:
             reply = self._next(FORK_LIMIT)
         except (OSError, EOFError) as exc:
             return f"the template stopped answering ({exc!r})"
-        if isinstance(reply, proto.Forked):
+        if isinstance(reply, _forking.Forked):
             return ForkedChild(spec, parent_conn, reply.pid, self)
         parent_conn.close()
-        if isinstance(reply, proto.Declined):
+        if isinstance(reply, _forking.Declined):
             return reply
-        if isinstance(reply, proto.Refused):
+        if isinstance(reply, _forking.Refused):
             return reply.reason
         return f"unexpected answer from the template: {reply!r}"
 
@@ -322,7 +323,7 @@ class Zygote:
         return True
 
     def _file_exits(self) -> None:
-        for msg in [m for m in self.inbox if isinstance(m, proto.Exited)]:
+        for msg in [m for m in self.inbox if isinstance(m, _forking.Exited)]:
             self.exits[msg.pid] = msg.code
             self.inbox.remove(msg)
 
@@ -363,7 +364,7 @@ class ForkedChild(_runner.ChildProcess):
 
     forked = True
 
-    def __init__(self, spec: proto.ChildSpec, conn: Connection, pid: int, zygote: Zygote) -> None:
+    def __init__(self, spec: _orders.ChildSpec, conn: Connection, pid: int, zygote: Zygote) -> None:
         self._proc = None
         self.zygote = zygote
         self._code: int | None = None
@@ -388,7 +389,7 @@ class ForkedChild(_runner.ChildProcess):
 
 
 def may_keep(
-    config: Any, module: str, rewrite: proto.Rewrite | None, excluded: Collection[str]
+    config: Any, module: str, rewrite: _forking.Rewrite | None, excluded: Collection[str]
 ) -> bool:
     """Whether a template may import ``module`` beyond its base: not left out by an
     earlier run (``excluded``), and a module pytest rewrites only where the template
@@ -430,7 +431,7 @@ class ZygoteHolder:
         #: Set in the template's environment (``_bytecode``'s directory).
         self.child_environ: dict[str, str] = {}
         #: How the template imports what pytest rewrites (None: it leaves that out).
-        self.rewrite: proto.Rewrite | None = None
+        self.rewrite: _forking.Rewrite | None = None
         self.config: Any = None
         #: The head start (``_headstart.HeadStart``), told if its template was stale.
         self.early: Any = None
@@ -504,7 +505,7 @@ class ZygoteHolder:
         return may_keep(self.config, module, self.rewrite, self.excluded)
 
     def _make(self, config: Any, modules: list[str]) -> Zygote | None:
-        spec = proto.ZygoteSpec(
+        spec = _forking.ZygoteSpec(
             modules=modules,
             invocation_dir=self.invocation_dir,
             log_path=str(self.workdir / "output.log"),
@@ -538,7 +539,7 @@ class ZygoteHolder:
             self.zygote.preload(auto)
 
     def fork(
-        self, config: Any, spec: proto.ChildSpec, env: Mapping[str, str]
+        self, config: Any, spec: _orders.ChildSpec, env: Mapping[str, str]
     ) -> ForkedChild | None:
         if self.zygote is None:
             self.start(config)
@@ -551,7 +552,7 @@ class ZygoteHolder:
             if self.off:
                 return None
         child = self.zygote.fork(spec, env)
-        if isinstance(child, proto.Declined):
+        if isinstance(child, _forking.Declined):
             self._declined(config, spec.nodeid, child)
             return None
         if isinstance(child, str):
@@ -568,7 +569,7 @@ class ZygoteHolder:
             lines.append(f"{count} spawned, not forked: {why}: {shown}")
         return lines
 
-    def _declined(self, config: Any, nodeid: str, declined: proto.Declined) -> None:
+    def _declined(self, config: Any, nodeid: str, declined: _forking.Declined) -> None:
         """The test is spawned: the template's imports read its environment otherwise.
         The package that read it is left out of the next run's template (its forks
         import it themselves, in their own environment), unless it is one the template
@@ -582,7 +583,7 @@ class ZygoteHolder:
                 self.excluded.append(package)
                 self._remember(config, [package], LEFT_OUT_READ)
 
-    def prime(self, spec: proto.ChildSpec, env: Mapping[str, str], wait: bool) -> None:
+    def prime(self, spec: _orders.ChildSpec, env: Mapping[str, str], wait: bool) -> None:
         """While the parent collects: the template configures pytest for tests like
         ``spec`` (with ``env``) before the first comes, once per run. A wrong guess costs
         the template one configuration; a test of another kind starts its own, as before.
@@ -719,7 +720,7 @@ def rewritten(config: Any, module: str) -> bool:
     return any(module == n or module.startswith(n + ".") for n in names)
 
 
-def rewrite_of(config: Any) -> proto.Rewrite | None:
+def rewrite_of(config: Any) -> _forking.Rewrite | None:
     """How the parent's pytest rewrites asserts, for the template (None: it does not).
 
     The names marked for rewriting are kept on pytest's import hook, privately; without
@@ -734,7 +735,7 @@ def rewrite_of(config: Any) -> proto.Rewrite | None:
         pass_hook = bool(config.getini("enable_assertion_pass_hook"))
     except (ValueError, KeyError):
         return None
-    return proto.Rewrite(sorted(str(n) for n in names), python_files, pass_hook)
+    return _forking.Rewrite(sorted(str(n) for n in names), python_files, pass_hook)
 
 
 def base_modules(config: Any, preload: list[str]) -> list[str]:

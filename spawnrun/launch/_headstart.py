@@ -45,7 +45,7 @@ from spawnrun.learn import _learned
 from spawnrun.proc import _bytecode
 from spawnrun.proc import _probe
 from spawnrun.proc._libraries import is_library
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _forking
 
 KEY = pytest.StashKey["HeadStart"]()
 #: Where pytest's cache keeps the library modules the last run's template imported.
@@ -63,7 +63,7 @@ class HeadStart:
     zygote: _forkserver.Zygote | None
     base: list[str]
     optional: list[str]
-    rewrite: proto.Rewrite | None
+    rewrite: _forking.Rewrite | None
     child_environ: dict[str, str]
     environ: dict[str, str]
     path: list[str]
@@ -206,7 +206,7 @@ def start(config: pytest.Config) -> None:
     if head.off:
         return
     head.workdir = head.workdir or tempfile.mkdtemp(prefix="spawnrun-zygote-")
-    spec = proto.ZygoteSpec(base, head.invocation_dir, f"{head.workdir}/output.log", rewrite)
+    spec = _forking.ZygoteSpec(base, head.invocation_dir, f"{head.workdir}/output.log", rewrite)
     try:
         head.zygote = _forkserver.Zygote(spec, child_environ)
     except Exception:  # noqa: BLE001 - the session starts one as before, and says why

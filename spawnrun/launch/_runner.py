@@ -30,7 +30,9 @@ from spawnrun.child import _stackhook
 from spawnrun.proc import _bytecode
 from spawnrun.proc import _main
 from spawnrun.proc import _proctable
+from spawnrun.wire import _orders
 from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _replies
 
 CTX = get_context("spawn")
 #: What a spawned test child runs.
@@ -370,7 +372,7 @@ class ChildProcess:
     #: Forked from the zygote (``_forkserver.ForkedChild``), not spawned.
     forked = False
 
-    def __init__(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
+    def __init__(self, spec: _orders.ChildSpec, env: Mapping[str, str]) -> None:
         conn, child_conn = CTX.Pipe(duplex=True)
         proc = CTX.Process(
             target=_bytecode.boot,
@@ -396,7 +398,7 @@ class ChildProcess:
         self._adopt(spec, conn, proc.pid or 0, proc.sentinel if pidfd is None else pidfd)
         self._pidfd = pidfd
 
-    def _adopt(self, spec: proto.ChildSpec, conn: Connection, pid: int, sentinel: int) -> None:
+    def _adopt(self, spec: _orders.ChildSpec, conn: Connection, pid: int, sentinel: int) -> None:
         self.spec = spec
         self.conn: Connection | None = conn
         self.pid = pid
@@ -432,7 +434,7 @@ class ChildProcess:
             wait([self._pidfd], timeout)
         return self.exitcode
 
-    def messages(self) -> list[proto.Message | Died]:
+    def messages(self) -> list[_replies.Message | Died]:
         """Everything the child has sent so far; a ``Died`` last once the pipe ended.
 
         Never waits: a partial message stays buffered until the rest arrives. A stream
@@ -443,13 +445,13 @@ class ChildProcess:
         if conn is None:
             return []
         stream = self._stream
-        out: list[proto.Message | Died] = list(stream.read(conn.fileno()))
+        out: list[_replies.Message | Died] = list(stream.read(conn.fileno()))
         if stream.problem or stream.ended:
             out.append(Died(stream.problem))
             self.close_pipe()
         return out
 
-    def assign(self, msg: proto.Assign) -> None:
+    def assign(self, msg: _orders.Assign) -> None:
         """Tell a child started before its test was known which one it is for."""
         self.spec = msg.onto(self.spec)
         if self.conn is not None:
@@ -461,17 +463,19 @@ class ChildProcess:
         env_set: Mapping[str, str],
         env_unset: list[str],
         nodeid: str = "",
-        params: Mapping[str, proto.Binding] | None = None,
+        params: Mapping[str, _orders.Binding] | None = None,
     ) -> None:
         if self.conn is not None:
             with contextlib.suppress(OSError):
-                self.conn.send(proto.Go(dict(env_set), list(env_unset), nodeid, dict(params or {})))
+                self.conn.send(
+                    _orders.Go(dict(env_set), list(env_unset), nodeid, dict(params or {}))
+                )
 
     def stop(self) -> None:
         """No more tests for it (a scope's child): it tears down and ends."""
         if self.conn is not None:
             with contextlib.suppress(OSError):
-                self.conn.send(proto.Stop())
+                self.conn.send(_orders.Stop())
 
     def close_pipe(self) -> None:
         if self.conn is not None:

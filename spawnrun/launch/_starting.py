@@ -31,13 +31,14 @@ from spawnrun.child._budget import INIT_SLOTS_ENV
 from spawnrun.child._budget import SOURCE_ENV
 from spawnrun.child._budget import XLA_FRACTION_ENV
 from spawnrun.child._budget import XLA_PREALLOCATE_ENV
-from spawnrun.devices import _devices
 from spawnrun.devices import _inventory
+from spawnrun.devices import _ledger
 from spawnrun.devices import _packing
 from spawnrun.launch import _forkserver
 from spawnrun.launch import _runner
 from spawnrun.proc import _coverage
-from spawnrun.wire import _protocol as proto
+from spawnrun.wire import _identity
+from spawnrun.wire import _orders
 
 _serial = count(1)
 
@@ -150,13 +151,13 @@ def candidate_args(item: pytest.Item, then: Sequence[str] = ()) -> list[list[str
     return [first] if fallback == first else [first, fallback]
 
 
-def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> proto.ChildSpec:
+def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> _orders.ChildSpec:
     workdir = _runner.child_dir(config, name, next(_serial))
     workdir.mkdir(parents=True, exist_ok=True)
     run = config.stash[SHARED_KEY]
     live = config.getoption("capture") == "no"
     found = _availability.in_parent()  # asked once: it may look at the driver
-    return proto.ChildSpec(
+    return _orders.ChildSpec(
         args=args,
         plugin_args=run.plugin_args,
         option_dict=dict(run.options, basetemp=str(workdir / "tmp")),
@@ -217,9 +218,9 @@ def assign(
     holder = item.config.stash.get(ZYGOTE_KEY, None)
     # A template where a fresh fork of it would have been one: fast mode, not turned off.
     fork_each = template and holder is not None and not holder.off
-    msg = proto.Assign(
+    msg = _orders.Assign(
         item.nodeid,
-        proto.bindings(item),
+        _identity.bindings(item),
         list(then) if fork_each or not template else [],
         executions,
         fork_each,
@@ -246,7 +247,7 @@ def start(
         item.nodeid,
         args,
         nodeid=item.nodeid,
-        params=proto.bindings(item),
+        params=_identity.bindings(item),
         executions=executions,
         then=list(then),
         fork_each=template,
@@ -270,7 +271,7 @@ def cached_pycache(cache: Any) -> tuple[Path | None, str]:
         directory = cache.mkdir("spawnrun-pycache")
     except OSError:
         return None, ""
-    return directory, _devices.not_private(directory)
+    return directory, _ledger.not_private(directory)
 
 
 def pycache_dir(config: pytest.Config) -> str:
@@ -279,7 +280,7 @@ def pycache_dir(config: pytest.Config) -> str:
     Bytecode is code every child runs: the cache's directory is used only if it is a
     real directory of this user that nobody else may write (a link, another owner or
     write access for others could plant code), as the ledger's directory is checked
-    (``_devices.not_private``).
+    (``_ledger.not_private``).
     """
     cache = getattr(config, "cache", None)
     if cache is not None:
