@@ -45,7 +45,9 @@ from spawnrun.config import _settings
 from spawnrun.devices import _inventory
 from spawnrun.devices import _vendors
 from spawnrun.fork import _declared
+from spawnrun.launch import _options
 from spawnrun.launch import _runner
+from spawnrun.launch import _stream
 from spawnrun.learn import _learned
 from spawnrun.proc import _bytecode
 from spawnrun.proc import _coverage
@@ -154,7 +156,7 @@ class Zygote:
         self.pid: int = self.proc.pid or 0
         self.exits: dict[int, int] = {}
         #: The template's messages, read without blocking; answers not yet taken.
-        self.stream = _runner.Stream()
+        self.stream = _stream.Stream()
         self.inbox: list[Any] = []
         #: ZygoteReady answers still to come (one for the spec, one per Preload).
         self.pending = 1
@@ -448,7 +450,7 @@ class ZygoteHolder:
             # The template could not check that forking it is safe.
             self._turn_off(config, _probe.NO_PROC)
             return
-        self.workdir = _runner.parent_basetemp(config) / "spawnrun" / "zygote"
+        self.workdir = _options.parent_basetemp(config) / "spawnrun" / "zygote"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.invocation_dir = str(config.invocation_params.dir)
         self.rootdir = Path(config.rootpath).resolve()
