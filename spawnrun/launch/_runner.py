@@ -180,7 +180,7 @@ class ChildProcess:
     running) makes ready, or keeps from ever being ready, while the child lives.
     """
 
-    #: Forked from the zygote (``_forkserver.ForkedChild``), not spawned.
+    #: Forked from the zygote (``_zygoteproc.ForkedChild``), not spawned.
     forked = False
 
     def __init__(self, spec: proto.ChildSpec, env: Mapping[str, str]) -> None:
