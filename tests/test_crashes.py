@@ -19,6 +19,7 @@ from pytest import LineMatcher
 
 from spawnrun.launch import _forkserver
 from spawnrun.launch import _runner
+from spawnrun.launch import _stream
 from spawnrun.proc import _probe
 from spawnrun.wire import _protocol as proto
 from spawnrun.wire import _replies
@@ -852,9 +853,9 @@ def test_a_boot_past_the_boot_limit_without_a_timeout(pytester):
     pytester.makeconftest(
         """
         import os, time
-        import spawnrun.driver._jobs
+        import spawnrun.driver._jobrecord
 
-        spawnrun.driver._jobs.BOOT_LIMIT = 0.5  # in the parent; 600 s really
+        spawnrun.driver._jobrecord.BOOT_LIMIT = 0.5  # in the parent; 600 s really
         if os.environ.get("SPAWNRUN_CHILD") == "1":
             time.sleep(3)
         """
@@ -1076,7 +1077,7 @@ def _frame(msg: object) -> bytes:
 
 def test_a_childs_stream_is_read_without_waiting_and_decoded_without_imports():
     read_end, write_end = os.pipe()
-    stream = _runner.Stream()
+    stream = _stream.Stream()
     frame = _frame(_replies.Phase("call"))
     os.write(write_end, frame + frame[:3])
     assert [m.when for m in stream.read(read_end)] == ["call"]
@@ -1084,7 +1085,7 @@ def test_a_childs_stream_is_read_without_waiting_and_decoded_without_imports():
     os.write(write_end, frame[3:] + _frame(_NotOnTheWire(1.5)))
     assert [m.when for m in stream.read(read_end)] == ["call"]
     assert "test_crashes._NotOnTheWire, which is not part of spawnrun's protocol" in stream.problem
-    stream = _runner.Stream()
+    stream = _stream.Stream()
     os.write(write_end, frame[:5])
     os.close(write_end)
     assert stream.read(read_end) == [] and stream.ended
@@ -1143,9 +1144,9 @@ def test_a_child_that_boots_unclaimed_is_under_the_boot_limit_at_its_turn(pytest
     pytester.makeconftest(
         """
         import itertools, os, time
-        import spawnrun.driver._jobs, spawnrun.launch._runner
+        import spawnrun.driver._jobrecord, spawnrun.launch._runner
 
-        spawnrun.driver._jobs.BOOT_LIMIT = 2.5  # in the parent; 600 s really
+        spawnrun.driver._jobrecord.BOOT_LIMIT = 2.5  # in the parent; 600 s really
         # Numbered as the parent starts them: which child first reached this line was a
         # race among children booting at once (the test failed one run in four).
         started = itertools.count()

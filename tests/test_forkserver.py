@@ -15,6 +15,7 @@ import time
 import pytest
 
 from spawnrun.launch import _forkserver
+from spawnrun.launch import _preloads
 from spawnrun.wire import _reports
 
 DEVICE_SUITE = """
@@ -633,7 +634,7 @@ def test_forks_find_pytests_own_plugins_imported(pytester, monkeypatch):
 
 def test_pytests_own_plugins_for_the_template_are_those_the_parent_loaded(pytester):
     config = pytester.parseconfigure("-p", "no:junitxml")
-    names = _forkserver.pytest_modules(config)
+    names = _preloads.pytest_modules(config)
     assert {"_pytest.python", "_pytest.skipping", "_pytest.debugging", "pdb"} <= set(names)
     assert "_pytest.junitxml" not in names
 

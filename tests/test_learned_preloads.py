@@ -106,8 +106,8 @@ def test_a_learned_preload_whose_import_blocks_is_given_up_on(pytester, monkeypa
     gave up on, and the next run leaves that library out from the start."""
     _library(pytester, monkeypatch, "stuck", "import time\ntime.sleep(30)\n")
     pytester.makeconftest(
-        "import spawnrun.launch._forkserver\n"
-        "spawnrun.launch._forkserver.LEARNED_LIMIT = 1.0  # in the parent; 60 s really\n"
+        "import spawnrun.launch._zygoteproc\n"
+        "spawnrun.launch._zygoteproc.LEARNED_LIMIT = 1.0  # in the parent; 60 s really\n"
     )
     pytester.makepyfile(test_mine=SUITE)
     _plant(pytester, _learned.CACHE_PRELOADS, ["stuck"])
@@ -134,8 +134,8 @@ def test_a_slow_library_the_parent_imports_too_is_not_given_up_on(pytester, monk
     import is, never left out for being slow."""
     _library(pytester, monkeypatch, "slowish", "import time\ntime.sleep(2)\n")
     pytester.makeconftest(
-        "import spawnrun.launch._forkserver\n"
-        "spawnrun.launch._forkserver.LEARNED_LIMIT = 0.5  # in the parent; 60 s really\n"
+        "import spawnrun.launch._zygoteproc\n"
+        "spawnrun.launch._zygoteproc.LEARNED_LIMIT = 0.5  # in the parent; 60 s really\n"
         "def pytest_configure(config):\n"
         "    import slowish  # no import line at the top: only the parent knows\n"
     )

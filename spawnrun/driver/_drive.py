@@ -43,7 +43,7 @@ from spawnrun.dispatch.units import State as Life
 from spawnrun.driver import _replay
 from spawnrun.driver._ending import EXIT_KILL
 from spawnrun.driver._ending import Stage
-from spawnrun.driver._jobs import State
+from spawnrun.driver._jobrecord import State
 from spawnrun.driver._perform import Performer
 from spawnrun.driver._units import early_key
 from spawnrun.wire._reports import STOPPED

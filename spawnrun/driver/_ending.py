@@ -28,6 +28,7 @@ import pytest
 from spawnrun.child import _leftovers
 from spawnrun.devices import _devices
 from spawnrun.launch import _runner
+from spawnrun.launch import _stream
 from spawnrun.wire import _replies
 from spawnrun.wire import _reports
 
@@ -170,7 +171,7 @@ class Ending:
 
     # Events ------------------------------------------------------------------------------
 
-    def on_message(self, msg: _replies.Message | _runner.Died) -> None:
+    def on_message(self, msg: _replies.Message | _stream.Died) -> None:
         if isinstance(msg, _replies.After):
             self.after_notes += msg.notes  # told as a warning once it is gone
         elif isinstance(msg, _replies.LeftRunning):

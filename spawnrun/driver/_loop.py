@@ -21,12 +21,12 @@ from spawnrun.devices import _devices
 from spawnrun.driver import _early
 from spawnrun.driver import _status
 from spawnrun.driver._ending import Ending
-from spawnrun.driver._jobs import IN_SLOT
-from spawnrun.driver._jobs import LISTENING
-from spawnrun.driver._jobs import SAMPLE_EVERY
+from spawnrun.driver._jobrecord import IN_SLOT
+from spawnrun.driver._jobrecord import LISTENING
+from spawnrun.driver._jobrecord import State
 from spawnrun.driver._jobs import Job
-from spawnrun.driver._jobs import State
 from spawnrun.driver._summary import Summary
+from spawnrun.driver._treememory import SAMPLE_EVERY
 from spawnrun.launch import _forkserver
 from spawnrun.launch import _runner
 from spawnrun.wire import _reports

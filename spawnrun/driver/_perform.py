@@ -21,9 +21,9 @@ from spawnrun.dispatch.events import Outcome
 from spawnrun.dispatch.state import Phase
 from spawnrun.driver import _early
 from spawnrun.driver import _replay
-from spawnrun.driver._jobs import LISTENING
+from spawnrun.driver._jobrecord import LISTENING
+from spawnrun.driver._jobrecord import State
 from spawnrun.driver._jobs import Job
-from spawnrun.driver._jobs import State
 from spawnrun.driver._units import Unit
 from spawnrun.driver._units import Units
 from spawnrun.launch import _starting

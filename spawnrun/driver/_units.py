@@ -27,8 +27,8 @@ from spawnrun.driver import _early
 from spawnrun.driver._ending import EXIT_KILL
 from spawnrun.driver._ending import Ending
 from spawnrun.driver._ending import Stage
+from spawnrun.driver._jobrecord import State
 from spawnrun.driver._jobs import Job
-from spawnrun.driver._jobs import State
 from spawnrun.driver._loop import Loop
 from spawnrun.launch import _runner
 from spawnrun.learn import _boots

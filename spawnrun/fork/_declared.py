@@ -12,7 +12,7 @@ template's imports overlap the parent's own.
 
 Only names found outside the rootdir count (installed libraries, never the suite's own
 modules), and only what a top-level ``import`` or ``from`` line names: the checks that
-any preload passes (``_forkserver.may_keep``) still apply, and a file read here that the
+any preload passes (``_preloads.may_keep``) still apply, and a file read here that the
 run then deselects only makes the template import what collection imports anyway.
 """
 

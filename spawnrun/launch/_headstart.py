@@ -40,7 +40,9 @@ from spawnrun.child import _child
 from spawnrun.config import _settings
 from spawnrun.fork import _declared
 from spawnrun.launch import _forkserver
+from spawnrun.launch import _preloads
 from spawnrun.launch import _starting
+from spawnrun.launch import _zygoteproc
 from spawnrun.learn import _learned
 from spawnrun.proc import _bytecode
 from spawnrun.proc import _probe
@@ -60,7 +62,7 @@ STALE = "stale: "
 class HeadStart:
     """What the early template was started with (``zygote`` None: it was not started)."""
 
-    zygote: _forkserver.Zygote | None
+    zygote: _zygoteproc.Zygote | None
     base: list[str]
     optional: list[str]
     rewrite: _forking.Rewrite | None
@@ -95,7 +97,7 @@ class HeadStart:
             return f"{dropped[0]} may not be preloaded any more"
         return ""
 
-    def adopt(self, holder: _forkserver.ZygoteHolder) -> _forkserver.Zygote | None:
+    def adopt(self, holder: _forkserver.ZygoteHolder) -> _zygoteproc.Zygote | None:
         """The early template, told what changed, if it fits the holder's; else None."""
         why = self.misfit(holder)
         if why:
@@ -169,12 +171,12 @@ def start(config: pytest.Config) -> None:
             directory = Path(workdir, "pycache")
             directory.mkdir()
         child_environ[_bytecode.ENV] = str(directory)
-    base = _forkserver.base_modules(config, list(settings.preload))
+    base = _preloads.base_modules(config, list(settings.preload))
     rootdir = Path(config.rootpath).resolve()
-    excluded = set(_forkserver.remembered_exclusions(early))
-    rewrite = _forkserver.rewrite_of(config)
+    excluded = set(_preloads.remembered_exclusions(early))
+    rewrite = _preloads.rewrite_of(config)
     found = [
-        *_forkserver.plugin_modules(config, rootdir),
+        *_preloads.plugin_modules(config, rootdir),
         *_declared.conftest_imports(config, rootdir),
         *_declared.test_file_imports(config, rootdir, _declared.paths_to_collect(config)),
     ]
@@ -184,7 +186,7 @@ def start(config: pytest.Config) -> None:
     optional = [
         m
         for m in _dedupe([*found, *learned])
-        if m not in base and _forkserver.may_keep(config, m, rewrite, excluded)
+        if m not in base and _preloads.may_keep(config, m, rewrite, excluded)
     ]
     off = early.cache.get(CACHE_OFF, "") if early.cache is not None else ""
     head = HeadStart(
@@ -208,7 +210,7 @@ def start(config: pytest.Config) -> None:
     head.workdir = head.workdir or tempfile.mkdtemp(prefix="spawnrun-zygote-")
     spec = _forking.ZygoteSpec(base, head.invocation_dir, f"{head.workdir}/output.log", rewrite)
     try:
-        head.zygote = _forkserver.Zygote(spec, child_environ)
+        head.zygote = _zygoteproc.Zygote(spec, child_environ)
     except Exception:  # noqa: BLE001 - the session starts one as before, and says why
         return
     head.zygote.preload_all(optional, head.learned, late=set(preloads) - set(found))

@@ -1,8 +1,10 @@
-"""Process lifecycle in the parent: build a child's spec, start it, stream its messages.
+"""Process lifecycle in the parent: start a child, watch its exit, read its messages,
+signal its process group and the tree below it.
 
 Runs in the parent. Children come from ``multiprocessing.get_context("spawn")`` (never
 the process-wide start method), are non-daemonic (tests may start processes of their
 own), lead their own session, and get their environment before the interpreter starts.
+The options a child inherits are ``_options``'; its pipe is read by ``_stream``.
 """
 
 from __future__ import annotations
@@ -10,138 +12,28 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import re
 import signal
-import struct
 import sys
 from collections.abc import Iterator
 from collections.abc import Mapping
 from multiprocessing import get_context
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
-from pathlib import Path
 from typing import Any
-
-import pytest
 
 from spawnrun import CHILD_ENV
 from spawnrun.child import _leave
 from spawnrun.child import _stackhook
+from spawnrun.launch import _stream
 from spawnrun.proc import _bytecode
 from spawnrun.proc import _main
 from spawnrun.proc import _proctable
 from spawnrun.wire import _orders
-from spawnrun.wire import _protocol as proto
 from spawnrun.wire import _replies
 
 CTX = get_context("spawn")
 #: What a spawned test child runs.
 CHILD_MAIN = "spawnrun.child._child:main"
-
-#: Options a child must not inherit: output files, session-level selection and
-#: scheduling belong to the parent; the child runs exactly one given test.
-_CHILD_OVERRIDES: dict[str, Any] = {
-    "usepdb": False,
-    "trace": False,
-    "exitfirst": False,
-    "maxfail": 0,
-    "lf": False,
-    "failedfirst": False,
-    "newfirst": False,
-    "stepwise": False,
-    "stepwise_skip": False,
-    "cacheclear": False,
-    "cacheshow": False,
-    "collectonly": False,
-    "continue_on_collection_errors": True,
-    "xmlpath": None,
-    "report_log": None,
-    "htmlpath": None,
-    "numprocesses": None,
-    "maxprocesses": None,
-    "dist": "no",
-    "looponfail": False,
-    # pytest-split: the parent picked this shard's tests; a child that split its own
-    # collection (one file) again would miss tests of its shard and fall back to a
-    # second boot, and each child would rewrite the durations file the parent writes.
-    "splits": None,
-    "group": None,
-    "store_durations": False,
-    "clean_durations": False,
-    # pytest-cov's controller is the parent's: in a child it would erase, combine and
-    # rewrite the parent's data file while the parent writes it. The child's measurement
-    # is spawnrun's (_coverage).
-    "no_cov": True,
-}
-#: Given to the child as arguments instead of through the option namespace.
-_NOT_FORWARDED = ("file_or_dir", "plugins")
-
-
-def forwarded_options(config: pytest.Config) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """The parent's option values for the child, with the child's overrides applied.
-
-    Values of built-in and standard-library types travel as they are (the child decodes
-    them before pytest starts). Others (a type a conftest defines) travel pickled apart
-    and are decoded only once the child's pytest has loaded its conftests, so nothing of
-    the suite is imported before pytest imports it, and the classes are pytest's own.
-    Values that do not pickle at all stay behind.
-    """
-    options: dict[str, Any] = {}
-    late: dict[str, bytes] = {}
-    for name, value in vars(config.option).items():
-        if name in _NOT_FORWARDED:
-            continue
-        if _plain(value):
-            options[name] = value
-            continue
-        try:
-            late[name] = pickle.dumps(value)
-        except Exception:  # noqa: BLE001 - a plugin's exotic value stays behind
-            continue
-    options.update(_CHILD_OVERRIDES)
-    # Pin rootdir, ini file and conftest cut-off: collecting one file alone must give
-    # the same node ids, settings and conftests. With no ini file, an empty one keeps
-    # the child from adopting one found next to the test (a nested sub/pytest.ini).
-    options["rootdir"] = str(config.rootpath)
-    options["inifilename"] = str(config.inipath) if config.inipath else str(_empty_ini(config))
-    confcutdir = config.getoption("confcutdir", None)
-    if confcutdir is None:
-        confcutdir = config.inipath.parent if config.inipath else config.rootpath
-    options["confcutdir"] = str(confcutdir)
-    return options, late
-
-
-def _plain(value: Any) -> bool:
-    """Whether unpickling ``value`` imports nothing but the standard library."""
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(_plain(k) and _plain(v) for k, v in value.items())
-    top = type(value).__module__.partition(".")[0]
-    return top == "builtins" or top in getattr(sys, "stdlib_module_names", ())
-
-
-def _empty_ini(config: pytest.Config) -> Path:
-    path = parent_basetemp(config) / "spawnrun" / "no-inifile" / "pytest.ini"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("[pytest]\n")
-    return path
-
-
-def plugin_args(config: pytest.Config) -> list[str]:
-    return [f"-p{name}" for name in config.option.plugins]
-
-
-def parent_basetemp(config: pytest.Config) -> Path:
-    # pytest offers no public accessor for the session's base temp dir outside a
-    # fixture; children get their own --basetemp below it.
-    factory = config._tmp_path_factory  # type: ignore[attr-defined]
-    return Path(factory.getbasetemp())
-
-
-def child_dir(config: pytest.Config, nodeid: str, serial: int) -> Path:
-    name = re.sub(r"[^\w.-]+", "_", nodeid.rsplit("/", 1)[-1])[:48]
-    return parent_basetemp(config) / "spawnrun" / f"{serial:04d}-{name}"
 
 
 @contextlib.contextmanager
@@ -279,86 +171,6 @@ def kill_all_live() -> None:
         child.kill()
 
 
-class Died:
-    """The child's pipe ended, or can no longer be read (``cause``: why not)."""
-
-    def __init__(self, cause: str = "") -> None:
-        self.cause = cause
-
-
-#: How much one read of a pipe takes at most, so that a child sending without end does
-#: not keep the event loop from its other events (the rest is read on the next turn).
-_READ_CHUNK = 1 << 16
-_READS_PER_TURN = 64
-#: A message longer than this is taken for a corrupt stream: a child cuts what it sends
-#: to ``_protocol.MESSAGE_LIMIT`` (``_protocol.frame``), so each child's partial message
-#: held here stays bounded.
-MAX_MESSAGE = 4 * proto.MESSAGE_LIMIT
-
-
-class Stream:
-    """The messages in a pipe of ``multiprocessing.Connection``'s framing, never blocking.
-
-    ``Connection.recv`` waits for a whole message: after ``poll`` says a byte is there,
-    a partial one (a test that wrote to the pipe, a child killed mid-send) would stall
-    the event loop. This reads only what is there, keeps a partial message for later,
-    and decodes whole ones with ``_protocol.decode``. ``problem`` says why the stream
-    cannot be read on (corrupt, or ended inside a message); nothing is read after it.
-    """
-
-    def __init__(self) -> None:
-        self.buffer = bytearray()
-        self.ended = False
-        self.problem = ""
-
-    def read(self, fd: int) -> list[Any]:
-        """The messages that arrived whole; ``ended`` or ``problem`` tell the rest."""
-        for _ in range(_READS_PER_TURN):
-            if self.ended or self.problem or not wait([fd], 0):
-                break
-            try:
-                data = os.read(fd, _READ_CHUNK)
-            except OSError:
-                data = b""  # ECONNRESET and the like: the other end is gone
-            if not data:
-                self.ended = True
-                break
-            self.buffer += data
-        out = self._messages()
-        if self.ended and self.buffer and not self.problem:
-            self.problem = (
-                f"the stream ended inside a message ({len(self.buffer)} bytes of it "
-                "arrived): a message cut short, or bytes the test wrote into the pipe"
-            )
-        return out
-
-    def _messages(self) -> list[Any]:
-        out = []
-        while not self.problem:
-            buf = self.buffer
-            if len(buf) < 4:
-                break
-            (size,) = struct.unpack("!i", buf[:4])
-            start = 4
-            if size == -1:  # a message longer than 2 GiB announces its size in 8 bytes
-                if len(buf) < 12:
-                    break
-                (size,) = struct.unpack("!Q", buf[4:12])
-                start = 12
-            if not 0 <= size <= MAX_MESSAGE:
-                self.problem = f"a message announced a size of {size} bytes (a corrupt stream)"
-                break
-            if len(buf) < start + size:
-                break
-            frame = bytes(buf[start : start + size])
-            del buf[: start + size]
-            try:
-                out.append(proto.decode(frame))
-            except Exception as exc:  # noqa: BLE001 - whatever the bytes were
-                self.problem = f"a message could not be decoded: {exc}"
-        return out
-
-
 class ChildProcess:
     """A child as the parent's event loop sees it: a pipe, an exit to watch, a group.
 
@@ -369,7 +181,7 @@ class ChildProcess:
     running) makes ready, or keeps from ever being ready, while the child lives.
     """
 
-    #: Forked from the zygote (``_forkserver.ForkedChild``), not spawned.
+    #: Forked from the zygote (``_zygoteproc.ForkedChild``), not spawned.
     forked = False
 
     def __init__(self, spec: _orders.ChildSpec, env: Mapping[str, str]) -> None:
@@ -406,7 +218,7 @@ class ChildProcess:
         self.sentinel = sentinel
         self.gone = False
         self._code: int | None = None
-        self._stream = Stream()
+        self._stream = _stream.Stream()
         self._pidfd = None
         LIVE.add(self)
 
@@ -434,8 +246,8 @@ class ChildProcess:
             wait([self._pidfd], timeout)
         return self.exitcode
 
-    def messages(self) -> list[_replies.Message | Died]:
-        """Everything the child has sent so far; a ``Died`` last once the pipe ended.
+    def messages(self) -> list[_replies.Message | _stream.Died]:
+        """Everything the child has sent so far; a ``_stream.Died`` last once the pipe ended.
 
         Never waits: a partial message stays buffered until the rest arrives. A stream
         that cannot be read on (corrupt, or ended inside a message) ends the pipe with
@@ -445,9 +257,9 @@ class ChildProcess:
         if conn is None:
             return []
         stream = self._stream
-        out: list[_replies.Message | Died] = list(stream.read(conn.fileno()))
+        out: list[_replies.Message | _stream.Died] = list(stream.read(conn.fileno()))
         if stream.problem or stream.ended:
-            out.append(Died(stream.problem))
+            out.append(_stream.Died(stream.problem))
             self.close_pipe()
         return out
 

@@ -35,6 +35,7 @@ from spawnrun.devices import _inventory
 from spawnrun.devices import _ledger
 from spawnrun.devices import _packing
 from spawnrun.launch import _forkserver
+from spawnrun.launch import _options
 from spawnrun.launch import _runner
 from spawnrun.proc import _coverage
 from spawnrun.wire import _identity
@@ -61,11 +62,11 @@ class Shared:
 
 def shared(config: pytest.Config, environ: Mapping[str, str], configured: bool) -> Shared:
     """``configured``: children may fork from a template that configured pytest once."""
-    options, late = _runner.forwarded_options(config)
+    options, late = _options.forwarded_options(config)
     return Shared(
         options=options,
         late_options=late,
-        plugin_args=_runner.plugin_args(config),
+        plugin_args=_options.plugin_args(config),
         workerinput=_workerinput(config),
         junit_family=_junit_family(config),
         coverage=_coverage.parent_config(),
@@ -112,7 +113,7 @@ def _init_lock(config: pytest.Config, device: str) -> Path:
     directory) or below the session's basetemp.
     """
     shared = getattr(config, "workerinput", {}).get("spawnrun_ledger")
-    directory = Path(shared) if shared else _runner.parent_basetemp(config) / "spawnrun"
+    directory = Path(shared) if shared else _options.parent_basetemp(config) / "spawnrun"
     directory.mkdir(parents=True, exist_ok=True)
     safe = "".join(c if c.isalnum() or c == "-" else "_" for c in device)
     return directory / f"cuda-init-{safe}.lock"  # slots: <this>-0, <this>-1, ...
@@ -152,7 +153,7 @@ def candidate_args(item: pytest.Item, then: Sequence[str] = ()) -> list[list[str
 
 
 def _spec(config: pytest.Config, name: str, args: list[str], **test: Any) -> _orders.ChildSpec:
-    workdir = _runner.child_dir(config, name, next(_serial))
+    workdir = _options.child_dir(config, name, next(_serial))
     workdir.mkdir(parents=True, exist_ok=True)
     run = config.stash[SHARED_KEY]
     live = config.getoption("capture") == "no"
@@ -295,6 +296,6 @@ def pycache_dir(config: pytest.Config) -> str:
                 ),
                 stacklevel=2,
             )
-    directory = _runner.parent_basetemp(config) / "spawnrun" / "pycache"
+    directory = _options.parent_basetemp(config) / "spawnrun" / "pycache"
     directory.mkdir(parents=True, exist_ok=True)
     return str(directory)
