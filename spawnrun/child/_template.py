@@ -62,7 +62,7 @@ def fork_each(relay: Any, item: Any, then: list[Any], by_id: dict[str, Any]) -> 
         if ending is not None and _ends_before_go(relay, ending):
             _reap(relay, ending)
             ending = None
-        found = relay._await_go(by_id)
+        found = relay.await_go(by_id)
         if found is not None:
             then = then[then.index(found) + 1 :] if found in then else []
         if ending is not None and found is not None and then and relay.spec.deviceless:
@@ -366,11 +366,11 @@ def _forked(relay: Any, item: Any, more: bool, serial: int, template: int, told:
             point_basetemp(item.config, f"{base}-{serial}")
         relay.current = item.nodeid
         try:
-            relay._run(item, None)
+            relay.run(item, None)
         except (KeyboardInterrupt, pytest.exit.Exception):
             _leave.leave(0)  # told (Interrupted, Done): the parent ends the session
         if more:
-            relay._done_for_now()
+            relay.done_for_now()
             with contextlib.suppress(OSError):
                 os.write(told, b"1")
             if serial == 1 or serial % _rehearse.RECORD_EVERY == 0:
