@@ -26,6 +26,7 @@ import pytest
 
 from spawnrun.child import _availability
 from spawnrun.child import _budget
+from spawnrun.child import _collection
 from spawnrun.child import _environ
 from spawnrun.child import _metadata
 from spawnrun.child import _stackhook
@@ -35,7 +36,6 @@ from spawnrun.child import _threadwatch
 from spawnrun.child._leave import leave
 from spawnrun.child._relay import Relay
 from spawnrun.child._relay import arm_faulthandler
-from spawnrun.child._relay import wanted_paths
 from spawnrun.proc import _bytecode
 from spawnrun.proc import _coverage
 from spawnrun.proc import _main
@@ -235,7 +235,7 @@ def take_over(
     if relay.sink is not None:
         relay.sink.reopen(os.path.join(directory, "terminal.log"))
     relay.current = spec.nodeid
-    relay.wanted = wanted_paths(spec.args, spec.invocation_dir)
+    relay.wanted = _collection.wanted_paths(spec.args, spec.invocation_dir)
     config.args = list(spec.args)
     config.option.basetemp = spec.option_dict.get("basetemp")
     if config.option.basetemp:

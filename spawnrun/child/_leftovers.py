@@ -31,7 +31,7 @@ GRACE = 2.0
 #: How many of them the parent is told of by name (the message stays one small write).
 SHOWN = 8
 #: How the parent hears what was left running ((description, ...), pids); set where a
-#: test runs (``Relay._run``): a template, which runs none, ends nothing here.
+#: test runs (``Turn.run``): a template, which runs none, ends nothing here.
 tell: Callable[[list[str], list[int]], None] | None = None
 
 

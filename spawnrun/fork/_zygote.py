@@ -3,7 +3,8 @@
 Runs in the template, which the parent starts with the spawn method (it is never forked
 from the parent), and in the children it forks. The template imports *libraries only*:
 pytest, the modules of the plugins the parent loaded, ``spawn_preload``, and then (on
-``Preload``) the third-party modules the parent's collection imported. It never
+``Preload``) the third-party modules the parent's collection imported (how it imports
+them, and what of them a later ``Preload`` finds stale: ``_importing``). It never
 configures pytest, never imports the suite's conftests or test modules, and so never
 runs the code that touches a GPU at import. Each child it forks gets its final
 environment (its devices) first, then does what a spawned child does: configure pytest,
@@ -26,17 +27,12 @@ import os
 import sys
 import time
 import traceback
-import types
-from collections.abc import Iterator
 from multiprocessing import Pipe
 from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
 from typing import Any
 from typing import NoReturn
-
-import pytest
-from _pytest.assertion.rewrite import AssertionRewritingHook
 
 from spawnrun.child import _availability
 from spawnrun.child import _child
@@ -47,6 +43,7 @@ from spawnrun.child import _streams
 from spawnrun.child import _threadwatch
 from spawnrun.child._forksafe import unsafe_state
 from spawnrun.fork import _configured
+from spawnrun.fork import _importing
 from spawnrun.proc import _probe
 from spawnrun.wire import _forking
 
@@ -74,69 +71,13 @@ def main(spec: _forking.ZygoteSpec, conn: Connection) -> NoReturn:
     _leave.leave(0)
 
 
-@contextlib.contextmanager
-def _rewriting(hook: Any) -> Iterator[None]:
-    """While importing: what pytest rewrites is rewritten, as the parent's pytest does.
-
-    A plugin's package (hypothesis, xdist, jaxtyping...) is rewritten on import by a
-    child's pytest, which warns about one imported before it, unless its loader is a
-    rewriting hook (``mark_rewrite``'s check). Imported through such a hook here,
-    marked and configured as in the parent, it is the same code the child would have
-    made, and the child's pytest takes it as rewritten: a fork no longer imports and
-    rewrites every plugin package again (seconds on an image without bytecode).
-    """
-    if hook is None:
-        yield
-        return
-    sys.meta_path.insert(0, hook)
-    try:
-        yield
-    finally:
-        with contextlib.suppress(ValueError):
-            sys.meta_path.remove(hook)  # the suite's modules are the child's pytest's
-
-
-def _rewrite_hook(rewrite: _forking.Rewrite) -> Any:
-    """pytest's own import hook, with a stand-in for the two ini values it reads.
-
-    pytest's internals: its rewriting hook has no public constructor, and its state
-    key is where the hook looks for its trace.
-    """
-    from _pytest.assertion.rewrite import AssertionRewritingHook
-    from _pytest.assertion.rewrite import assertstate_key
-
-    class Config:
-        def __init__(self) -> None:
-            self.stash = pytest.Stash()
-            state: Any = types.SimpleNamespace(trace=_no_trace)  # all the hook reads of it
-            self.stash[assertstate_key] = state
-            self.ini = {
-                "python_files": list(rewrite.python_files),
-                "enable_assertion_pass_hook": rewrite.pass_hook,
-            }
-
-        def getini(self, name: str) -> Any:
-            return self.ini[name]
-
-        def issue_config_time_warning(self, warning: Warning, stacklevel: int) -> None:
-            pass  # a module imported before it was marked: the child's pytest warns
-
-    hook = AssertionRewritingHook(Config())  # type: ignore[arg-type]
-    hook.mark_rewrite(*rewrite.names)
-    return hook
-
-
-def _no_trace(*args: object) -> None:
-    pass
-
-
 class _Template:
     """Imports what it is told, checking after each package; then forks on request."""
 
     def __init__(self, conn: Connection, rewrite: _forking.Rewrite | None = None) -> None:
         self.conn = conn
         #: pytest's rewriting hook as the parent's is set up (None: nothing rewritten).
-        self.rewriter = _rewrite_hook(rewrite) if rewrite is not None else None
+        self.rewriter = _importing.rewrite_hook(rewrite) if rewrite is not None else None
         self.marked = set(rewrite.names) if rewrite is not None else set()
         self.refusal = ""
         #: pidfd -> pid of each forked child still running: its exit wakes us at once.
@@ -164,7 +105,11 @@ class _Template:
         groups: dict[str, list[str]] = {}
         for name in modules:
             groups.setdefault(name.partition(".")[0], []).append(name)
-        with _rewriting(self.rewriter), _openmp_waits_passively(), _collector_paused():
+        with (
+            _importing.rewriting(self.rewriter),
+            _importing.openmp_waits_passively(),
+            _importing.collector_paused(),
+        ):
             try:
                 with _environ.observing():
                     imported, culprit, suspects = self._import(
@@ -177,7 +122,7 @@ class _Template:
                 self.conn.send(_forking.Importing("", time.monotonic()))
             _metadata.snapshot()  # each fork's pytest reads the installed packages from it
             # The garbage the imports left (cycles holding files, say) is collected once,
-            # here, not at every threshold along the way (``_collector_paused``). What is
+            # here, not at every threshold along the way (``_importing.collector_paused``). What is
             # left lives as long as the template: keep the collector off it, so children
             # neither scan it (pytest's final collections took ~0.3 s with torch) nor copy
             # its pages by touching object headers (the pre-fork idiom gc.freeze is made
@@ -228,13 +173,13 @@ class _Template:
         stale ("" if nothing): a module imported before that would now be found
         elsewhere first, or is now marked for rewriting but was imported plain."""
         if rewrite is not None and set(rewrite.names) != self.marked:
-            plain = _imported_plain(set(rewrite.names) - self.marked)
+            plain = _importing.imported_plain(set(rewrite.names) - self.marked)
             if plain:
                 return f"{plain} was imported before it was marked for rewriting"
-            self.rewriter = _rewrite_hook(rewrite)
+            self.rewriter = _importing.rewrite_hook(rewrite)
             self.marked = set(rewrite.names)
         if path is not None and path != sys.path:
-            moved = _found_elsewhere(path)
+            moved = _importing.found_elsewhere(path)
             if moved:
                 return f"{moved} is found elsewhere first on the parent's sys.path now"
             sys.path[:] = path
@@ -356,83 +301,6 @@ class _Template:
                 os._exit(70)
         theirs.close()
         return pid, ours
-
-
-#: What GNU OpenMP (libgomp) reads at its load for how its threads wait between
-#: parallel regions; the user's own setting of either is left alone.
-OPENMP_WAIT = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """While the template imports: no garbage collection. Each full collection walks every
-    object imported so far, and an import of torch grows them from about 20 thousand to
-    165 thousand: its collections took about 85 ms of the 0.77 s import, on a core the
-    parent's own collection wants at that moment; one collection after it takes 40-60 ms.
-    The forks collect as usual.
-    """
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
-
-
-@contextlib.contextmanager
-def _openmp_waits_passively() -> Iterator[None]:
-    """While the template imports: an OpenMP runtime loaded now (torch's libgomp) has its
-    idle threads sleep instead of spinning, in the template and in every process forked
-    from it; the environment is as it was afterwards, so tests never see the variable.
-
-    libgomp reads the policy once, when it is loaded. Its threads spin for up to 300,000
-    iterations between parallel regions when no policy is set: tests that each run
-    torch's 16 threads side by side on 16 cores (timm's model tests building their
-    models) spent their time spinning, a second run taking 48.7 s against plain
-    pytest's 46.1 s; passive, 20.5 s against 34.4 s (plain itself 35.4 s passive). It
-    changes no result, only how idle threads wait.
-    """
-    if any(name in os.environ for name in OPENMP_WAIT):
-        yield
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    _environ.OWN.add("OMP_WAIT_POLICY")  # ours, gone before any test: not the user's
-    try:
-        yield
-    finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-
-
-def _imported_plain(names: set[str]) -> str:
-    """A module of ``names`` (or below one) imported from source without rewriting ("")."""
-    for name, module in list(sys.modules.items()):
-        if not any(name == n or name.startswith(n + ".") for n in names):
-            continue
-        spec = getattr(module, "__spec__", None)
-        origin = getattr(spec, "origin", None) or ""
-        rewritten = isinstance(getattr(module, "__loader__", None), AssertionRewritingHook)
-        if origin.endswith(".py") and not rewritten:
-            return name
-    return ""
-
-
-def _found_elsewhere(path: list[str]) -> str:
-    """A top-level module imported from a file that ``path`` finds another file for ("")."""
-    from importlib.machinery import PathFinder
-
-    for name, module in list(sys.modules.items()):
-        spec = getattr(module, "__spec__", None)
-        origin = getattr(spec, "origin", None)
-        if "." in name or not origin or not os.path.isabs(origin):
-            continue
-        try:
-            found = PathFinder.find_spec(name, path)
-        except (ImportError, ValueError, OSError):
-            continue
-        if found is not None and found.origin and found.origin != origin:
-            return name
-    return ""
 
 
 def _forked_child(
