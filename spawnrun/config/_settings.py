@@ -36,6 +36,14 @@ def forked_doc(marker: str) -> str:
     )
 
 
+def register_markers(config: pytest.Config, marker: str, forked_alias: bool) -> None:
+    # Only the configured name: a project's own gpu marker stays untouched when
+    # spawn_marker names another.
+    config.addinivalue_line("markers", marker_doc(marker))
+    if forked_alias:
+        config.addinivalue_line("markers", forked_doc(marker))
+
+
 def _default_text(s: _table.Setting) -> str:
     if s.default_doc:
         return s.default_doc
