@@ -1,8 +1,8 @@
-"""Rewrite the settings table in docs/configuration.md from spawnrun/config/_settings.py.
+"""Rewrite the settings table in docs/configuration.md from spawnrun/config/_table.py.
 
 Run it from anywhere: ``python docs/gen_reference.py``. The table lies between the
 page's settings-table markers; ``tests/test_docs.py`` fails while the page's table is
-not what ``spawnrun.config._settings.reference_table()`` renders.
+not what ``spawnrun.config._settings.reference_table()`` renders from it.
 """
 
 from __future__ import annotations

@@ -24,10 +24,16 @@ __all__ = [
     "is_child",
     "__version__",
 ]
-#: Loaded from ``spawnrun.calls._call`` on first use, so importing the package stays cheap.
-_CALL_NAMES = frozenset(
-    {"call", "in_child", "CallCrashed", "CallError", "CallFailed", "CallTimeout", "ChildTraceback"}
-)
+#: Loaded on first use, so importing the package stays cheap: the functions from
+#: ``spawnrun.calls._call``, the exceptions from ``spawnrun.calls._outcome``.
+_CALL_FUNCTIONS = frozenset({"call", "in_child"})
+_CALL_NAMES = _CALL_FUNCTIONS | {
+    "CallCrashed",
+    "CallError",
+    "CallFailed",
+    "CallTimeout",
+    "ChildTraceback",
+}
 
 #: Set to ``"1"`` in the environment of every spawned test process.
 CHILD_ENV = "SPAWNRUN_CHILD"
@@ -46,6 +52,7 @@ def __getattr__(name: str) -> Any:
         return version("spawnrun")
     if name in _CALL_NAMES:
         from spawnrun.calls import _call
+        from spawnrun.calls import _outcome
 
-        return getattr(_call, name)
+        return getattr(_call if name in _CALL_FUNCTIONS else _outcome, name)
     raise AttributeError(name)

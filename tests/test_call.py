@@ -15,6 +15,7 @@ import pytest
 
 import spawnrun
 from spawnrun.calls import _call
+from spawnrun.calls import _outcome
 
 NO_INTERNAL = "*INTERNALERROR*"
 ROOT = Path(__file__).resolve().parent.parent
@@ -168,9 +169,9 @@ def test_call_from_parent_and_spawned_test(pytester, monkeypatch):
             "*_ test_crashes _*",
             "E*spawnrun.CallCrashed: spawnrun.call: the child running test_inner.segv "
             "was killed by signal SIGSEGV (11) before returning",
-            f"E*--- {_call.STACKS} ---",
+            f"E*--- {_outcome.STACKS} ---",
             'E*File "*test_inner.py", line * in segv',
-            f"E*--- {_call.OUTPUT} ---",
+            f"E*--- {_outcome.OUTPUT} ---",
             "E*last words",
         ]
     )
@@ -179,7 +180,7 @@ def test_call_from_parent_and_spawned_test(pytester, monkeypatch):
             "*_ test_times_out _*",
             "E*spawnrun.CallTimeout: spawnrun.call: test_inner.sleepy did not return within the "
             "timeout (1 s); killed",
-            f"E*--- {_call.STACKS} ---",
+            f"E*--- {_outcome.STACKS} ---",
             'E*File "*test_inner.py", line * in sleepy',
         ]
     )

@@ -9,6 +9,7 @@ import pytest
 
 from spawnrun.config import _parse
 from spawnrun.config import _settings
+from spawnrun.config import _table
 from spawnrun.devices import _inventory
 
 
@@ -188,7 +189,7 @@ def test_help_texts_come_from_one_table(pytester):
     result = pytester.runpytest_subprocess("--help")
     text = " ".join(result.stdout.str().split())
     markers = " ".join(pytester.runpytest_subprocess("--markers").stdout.str().split())
-    for s in _settings.SETTINGS:
+    for s in _table.SETTINGS:
         help_text = " ".join(s.help.split())
         assert help_text[0].isupper() and not help_text.endswith(".")
         if s.cli:
@@ -202,7 +203,7 @@ def test_help_texts_come_from_one_table(pytester):
     # Each setting's row reaches the documentation's configuration table too.
     page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
     rows = [line for line in page.splitlines() if line.startswith("| ")]
-    for s in _settings.SETTINGS:
+    for s in _table.SETTINGS:
         names = [f"`{n}`" for n in (s.cli, s.ini, s.env) if n]
         names += [f"`{s.marker_kwarg}=`"] if s.marker_kwarg else []
         assert any(all(n in row for n in names) for row in rows), s.name

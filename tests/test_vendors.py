@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import vendor_standins as standins
 
-from spawnrun.config import _settings
+from spawnrun.config import _table
 from spawnrun.devices import _devices
 from spawnrun.devices import _discovery
 from spawnrun.devices import _inventory
@@ -286,7 +286,7 @@ def test_bad_vendor_is_a_usage_error_naming_its_source(bad):
     with pytest.raises(pytest.UsageError, match="environment variable SPAWNRUN_GPU_VENDOR: "):
         _vendors.parse_vendor(bad, "environment variable SPAWNRUN_GPU_VENDOR")
     assert _vendors.parse_vendor(" AMD ", "x") == "amd"
-    setting = {s.name: s for s in _settings.SETTINGS}["gpu_vendor"]
+    setting = {s.name: s for s in _table.SETTINGS}["gpu_vendor"]
     assert (setting.cli, setting.ini, setting.env) == (
         "--spawn-gpu-vendor",
         "spawn_gpu_vendor",

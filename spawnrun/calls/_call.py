@@ -1,10 +1,11 @@
 """``spawnrun.call``: run one function in a fresh spawn child and bring back its result.
 
-Runs in both processes. The caller side (``call``, the exceptions) runs wherever a user
-calls it: the pytest parent, a spawned test, a plain script. ``_main`` is the child's
-entry point, in ``_call_child``. Neither module imports pytest or torch at import time;
-the caller loads ``_runner`` (and so pytest) and cloudpickle (the ``call`` extra) only
-once a call is made.
+Runs in both processes. The caller side (``call``, ``in_child``, their options checked,
+the child started, waited for, timed out and reaped) runs wherever a user calls it: the
+pytest parent, a spawned test, a plain script; what came of the call (the exceptions,
+the answer unpacked) is ``_outcome``'s. ``_main`` is the child's entry point, in
+``_call_child``. None of them imports pytest or torch at import time; the caller loads
+``_runner`` (and so pytest) and cloudpickle (the ``call`` extra) only once a call is made.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ import contextlib
 import functools
 import math
 import os
-import pickle
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
@@ -24,21 +23,19 @@ from collections.abc import Callable
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
 from multiprocessing.connection import wait
-from pathlib import Path
 from typing import Any
 from typing import ParamSpec
 from typing import TypeVar
 from typing import overload
 
 from spawnrun.calls import _call_child
+from spawnrun.calls import _outcome
 
 P = ParamSpec("P")
 R = TypeVar("R")
 Devices = str | int | Sequence[int | str] | None
 
 INSTALL_HINT = 'spawnrun.call needs cloudpickle: pip install "spawnrun[call]"'
-STACKS = "Python stacks of all threads of the child"
-OUTPUT = "child stdout/stderr (tail)"
 #: How long a timed-out child may take to write its stacks before it is killed.
 _DUMP_LIMIT = 2.0
 #: How long a child that has answered may take to exit before it is killed.
@@ -48,47 +45,6 @@ _WAIT_SLICE = 3600.0
 # Changing os.environ around start() is how a child gets its devices before its
 # interpreter starts; calls from several threads take turns at it.
 _START_LOCK = threading.Lock()
-
-
-class ChildTraceback(Exception):
-    """The formatted traceback of an exception raised in the child (set as ``__cause__``)."""
-
-    def __str__(self) -> str:
-        return "\n" + str(self.args[0]) if self.args else ""
-
-
-class CallError(Exception):
-    """What came of the call cannot be brought to the caller.
-
-    The function raised an exception that cannot be rebuilt here, or returned a result
-    that cannot be pickled in the child or unpickled here.
-    """
-
-
-class CallFailed(RuntimeError):
-    """The child ended without an answer: it crashed or was timed out."""
-
-    def __init__(
-        self, message: str, *, function: str, exitcode: int | None, stacks: str, output: str
-    ) -> None:
-        super().__init__(message)
-        self.function = function
-        self.exitcode = exitcode
-        self.stacks = stacks
-        self.output = output
-
-
-class CallCrashed(CallFailed):
-    """The child died (a signal, ``os._exit``) before returning."""
-
-
-class CallTimeout(CallFailed):
-    """The function did not return within the timeout; the child was killed."""
-
-
-# Shown (and pickled) by their public names.
-for _cls in (ChildTraceback, CallError, CallFailed, CallCrashed, CallTimeout):
-    _cls.__module__ = "spawnrun"
 
 
 def call(
@@ -263,9 +219,11 @@ def _run(
         _runner.signal_pids([proc.pid, *_runner.group_members(proc.pid)], signal.SIGKILL)
         proc.join()
         if answer is None or answer is _DIED:
-            raise _failure(name, limit if answer is None else None, proc.exitcode, files)
-        _replay_output(files.output)
-        return _unpack(name, answer)
+            raise _outcome.failure(
+                name, limit if answer is None else None, proc.exitcode, files.stacks, files.output
+            )
+        _outcome.replay_output(files.output)
+        return _outcome.unpack(name, answer)
     finally:
         if proc.pid is not None and proc.exitcode is None:  # interrupted: end it
             _runner.signal_pids([proc.pid, *_runner.group_members(proc.pid)], signal.SIGKILL)
@@ -339,66 +297,3 @@ def _dump_stacks(pid: int, path: str) -> None:
         if now and now == size:
             return
         size = now
-
-
-def _failure(name: str, limit: float | None, code: int | None, files: _Files) -> CallFailed:
-    if limit is not None:
-        kind: type[CallFailed] = CallTimeout
-        text = f"spawnrun.call: {name} did not return within the timeout ({limit:g} s); killed"
-    else:
-        kind = CallCrashed
-        text = f"spawnrun.call: the child running {name} {_death(code)} before returning"
-    from spawnrun.wire._reports import tail
-
-    stacks = tail(Path(files.stacks))
-    output = tail(Path(files.output))
-    for title, body in ((STACKS, stacks), (OUTPUT, output)):
-        if body:
-            text += f"\n--- {title} ---\n{body}"
-    return kind(text, function=name, exitcode=code, stacks=stacks, output=output)
-
-
-def _death(code: int | None) -> str:
-    from spawnrun.wire._reports import killed_by
-
-    killed = killed_by(code)
-    return f"was {killed}" if killed else f"exited with status {code}"
-
-
-def _replay_output(path: str) -> None:
-    """What the child printed, onto the caller's stdout (captured by pytest in a test)."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            text = f.read()
-    except OSError:
-        return
-    if text and sys.stdout is not None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
-
-
-def _unpack(name: str, answer: tuple[Any, ...]) -> Any:
-    __tracebackhide__ = True
-    if answer[0] == "returned":
-        try:
-            return pickle.loads(answer[1])
-        except Exception as exc:
-            raise CallError(
-                f"spawnrun.call: the result of {name} cannot be unpickled here"
-            ) from exc
-    if answer[0] == "unsendable":
-        _, type_name, problem = answer
-        raise CallError(
-            f"spawnrun.call: {name} returned, but its result (a {type_name}) could not be "
-            f"sent back to the caller: pickling it failed with {problem}"
-        )
-    _, data, type_name, message, text = answer
-    error: object = None
-    with contextlib.suppress(Exception):
-        error = pickle.loads(data) if data is not None else None
-    if not isinstance(error, BaseException):
-        error = CallError(f"{name} raised {type_name}: {message} (it cannot be rebuilt here)")
-    error.__cause__ = ChildTraceback(text)
-    if hasattr(error, "add_note"):  # Python 3.11+
-        error.add_note(f"spawnrun.call: raised in the child running {name} (traceback above)")
-    raise error

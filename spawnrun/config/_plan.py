@@ -19,6 +19,8 @@ from spawnrun.config import _parse
 from spawnrun.config import _settings
 from spawnrun.devices import _inventory
 from spawnrun.devices import _packing
+from spawnrun.learn import _learned
+from spawnrun.learn import _unforked
 
 SETTINGS_KEY = pytest.StashKey[_settings.Settings]()
 INVENTORY_KEY = pytest.StashKey[_inventory.Inventory]()
@@ -30,6 +32,42 @@ PLAN_KEY = pytest.StashKey[_packing.Plan]()
 CAPACITY_KEY = pytest.StashKey[dict[str, "int | None"]]()
 #: Most tests at once on one device (``--spawn-per-gpu``, or the cores' default).
 PER_GPU_KEY = pytest.StashKey[int]()
+
+
+def plan_items(config: pytest.Config, items: list[pytest.Item], limit: int) -> list[pytest.Item]:
+    """Every selected test's plan, made once (the run path only reads it): its marker
+    validated, whether it spawns, what it needs (a test that can never get its devices is
+    skipped in-process), and the tests in the order they run (``_scopes``)."""
+    settings = config.stash[SETTINGS_KEY]
+    inventory = config.stash[INVENTORY_KEY]
+    ids = inventory.ids
+    capacity = config.stash[CAPACITY_KEY]
+    learned = _learned.peaks(config) if settings.pack == "auto" else {}
+    # Tests whose fork an earlier run doubted: spawned fresh, never forked.
+    unforked = _unforked.remembered(config) if settings.method == "forkserver" else {}
+    known = _unforked.known_failures(config) if settings.method == "forkserver" else {}
+    for item in items:
+        overrides = _settings.marker_overrides(item, settings)
+        item.stash[ITEM_KEY] = overrides
+        spawns = _should_spawn(item, settings)
+        plan = _plan(item, settings, overrides, ids, capacity, learned)
+        if item.nodeid in unforked:
+            why = _unforked.REMEMBERED.format(why=unforked[item.nodeid])
+            plan = replace(plan, unforked=why)
+        elif item.nodeid in known:
+            plan = replace(plan, known_failure=known[item.nodeid])
+        item.stash[PLAN_KEY] = plan
+        reason = ""
+        if spawns or plan.count:
+            reason = inventory.refuses(plan.count) or _cannot_run(plan, ids, capacity)
+        if reason:
+            # Skipped where it stands, in-process: no child for a test that cannot run.
+            item.add_marker(pytest.mark.skip(reason=reason))
+            spawns = False
+        elif spawns and _skipped_statically(item):
+            spawns = False  # pytest skips it here, as in the child, without a child
+        item.stash[SPAWNS_KEY] = spawns
+    return _scopes(config, settings, items, limit)
 
 
 def _scopes(
@@ -261,7 +299,7 @@ def _plan_from(
     peak: int | None,
     per_gpu: int = 1,
 ) -> _packing.Plan:
-    """``_plan`` from what it reads of the test (and a file's guess: ``_boot_early``)."""
+    """``_plan`` from what it reads of the test (and a file's guess: ``_collection.boot_early``)."""
     timeout = overrides.get("timeout", settings.timeout)
     every = not marked  # --spawn-gpu alone: it sees every device, so it holds them all
     if not (count if marked else ids):
@@ -335,20 +373,9 @@ def _device_count(
 
 
 def _spawns(item: pytest.Item) -> bool:
-    spawns = item.stash.get(SPAWNS_KEY, None)
-    if spawns is None:  # collected without our modifyitems (e.g. by another plugin)
-        settings = item.config.stash.get(SETTINGS_KEY, None)
-        spawns = settings is not None and _should_spawn(item, settings)
-    return spawns
+    """Whether the test runs in a child, as its plan says (``plan_items``).
 
-
-def _plan_of(item: pytest.Item) -> _packing.Plan:
-    plan = item.stash.get(PLAN_KEY, None)
-    if plan is None:  # collected without our modifyitems (e.g. by another plugin)
-        config = item.config
-        settings = config.stash[SETTINGS_KEY]
-        overrides = _settings.marker_overrides(item, settings)
-        ids = config.stash[INVENTORY_KEY].ids
-        plan = _plan(item, settings, overrides, ids, config.stash[CAPACITY_KEY], {})
-        item.stash[PLAN_KEY] = plan
-    return plan
+    Plans are made at collection only: a test without one (added after spawnrun's
+    ``pytest_collection_modifyitems``, by another plugin) runs in-process.
+    """
+    return item.stash.get(SPAWNS_KEY, False)
