@@ -12,7 +12,7 @@ Which commands are "shown", the rule the pages follow:
   run in order in one fresh sample project (pytest-split's durations, then the split
   that reads them; coverage's run, combine and report).
 - No other fenced block of those pages holds a pytest command
-  (test_pytest_commands_are_shown_as_console), except README's three CI blocks (the
+  (test_pytest_commands_are_shown_as_console), except README's four CI blocks (the
   line after each "<!-- test-command... -->" marker): .ci/run runs those.
 - A line is split at "&&", and each part is one of:
   - a pytest run (``pytest``, ``python -m pytest``, ``<venv>/bin/python -m pytest`` or
@@ -52,11 +52,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 RECORDS = DOCS / "validation"
-CI_MARKER = re.compile(r"<!-- test-command(-lowest|-models)? -->")
+CI_MARKER = re.compile(r"<!-- test-command(-lowest|-models|-wheel)? -->")
 
 #: Commands the pages show that this file does not run, and why.
 NOT_RUN = {
-    "bash .ci/run": "CI itself: three fresh virtual environments and the whole suite",
+    "bash .ci/run": "CI itself: README's four CI commands in fresh virtual environments",
     "python -m mkdocs serve": (
         "serves the site until stopped; test_site_builds_strictly builds the same site"
     ),
