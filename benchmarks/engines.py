@@ -253,7 +253,7 @@ def main() -> int:
             (f"fast, run {i}", ["--spawn-method", "forkserver"]) for i in range(1, opts.runs + 1)
         ]
         for name, args in rows:
-            r = run(folder, args, opts.run_timeout, logs / f"{case}-{name.replace(', ', '-')}.log")
+            r = run(folder, args, opts.run_timeout, logs / f"{case}-{name.replace(', ', '-').replace(' ', '')}.log")
             if case == "engine" and name != "plain":
                 r["checks"] = engine_checks(r)
             results[f"{case}: {name}"] = r

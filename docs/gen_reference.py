@@ -1,4 +1,4 @@
-"""Rewrite the settings table in docs/configuration.md from spawnrun/config/_table.py.
+"""Rewrite the settings table in docs/guide/configuration.md from spawnrun/config/_table.py.
 
 Run it from anywhere: ``python docs/gen_reference.py``. The table lies between the
 page's settings-table markers; ``tests/test_docs.py`` fails while the page's table is
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE = ROOT / "docs" / "configuration.md"
+PAGE = ROOT / "docs" / "guide" / "configuration.md"
 START = "<!-- settings-table:start -->"
 END = "<!-- settings-table:end -->"
 

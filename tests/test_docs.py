@@ -3,8 +3,8 @@ settings table's, and every command it shows runs.
 
 Which commands are "shown", the rule the pages follow:
 
-- Pages: README.md and docs/*.md, except RECORDS (docs/gpu-validation.md and
-  docs/performance.md). Those record past runs on a lent H200 host, with that host's
+- Pages: README.md and every docs/**/*.md, except the validation record
+  (docs/validation/: gpu-validation.md and performance.md). Those record past runs on a lent H200 host, with that host's
   scripts, variables and timings: evidence that the .ci/gpu scripts reproduce on a GPU
   host, not instructions, and nothing this machine can run.
 - A command is a line that starts with "$ " in a ```console block; the lines after it,
@@ -12,7 +12,7 @@ Which commands are "shown", the rule the pages follow:
   run in order in one fresh sample project (pytest-split's durations, then the split
   that reads them; coverage's run, combine and report).
 - No other fenced block of those pages holds a pytest command
-  (test_pytest_commands_are_shown_as_console), except README's three CI blocks (the
+  (test_pytest_commands_are_shown_as_console), except README's four CI blocks (the
   line after each "<!-- test-command... -->" marker): .ci/run runs those.
 - A line is split at "&&", and each part is one of:
   - a pytest run (``pytest``, ``python -m pytest``, ``<venv>/bin/python -m pytest`` or
@@ -51,29 +51,29 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-RECORDS = frozenset({"gpu-validation.md", "performance.md"})
-CI_MARKER = re.compile(r"<!-- test-command(-lowest|-models)? -->")
+RECORDS = DOCS / "validation"
+CI_MARKER = re.compile(r"<!-- test-command(-lowest|-models|-wheel)? -->")
 
 #: Commands the pages show that this file does not run, and why.
 NOT_RUN = {
-    "bash .ci/run": "CI itself: three fresh virtual environments and the whole suite",
+    "bash .ci/run": "CI itself: README's four CI commands in fresh virtual environments",
     "python -m mkdocs serve": (
         "serves the site until stopped; test_site_builds_strictly builds the same site"
     ),
     "python docs/gen_reference.py": (
-        "rewrites docs/configuration.md; test_configuration_reference_is_generated "
+        "rewrites docs/guide/configuration.md; test_configuration_reference_is_generated "
         "checks that it would change nothing"
     ),
 }
 
 #: The sample project's package, which the quick start's test file imports.
 MYPKG = "def double(x):\n    return 2 * x\n"
-#: What ``coverage run`` needs, as docs/compatibility.md says: parallel mode.
+#: What ``coverage run`` needs, as docs/guide/compatibility.md says: parallel mode.
 COVERAGERC = "[run]\nparallel = true\n"
 
 
 def _pages() -> list[Path]:
-    docs = sorted(p for p in DOCS.glob("*.md") if p.name not in RECORDS)
+    docs = sorted(p for p in DOCS.rglob("*.md") if RECORDS not in p.parents)
     return [ROOT / "README.md", *docs]
 
 
@@ -330,10 +330,10 @@ def test_the_rule_finds_the_commands():
 
 def test_configuration_reference_is_generated():
     generator = runpy.run_path(str(DOCS / "gen_reference.py"))
-    page = DOCS / "configuration.md"
+    page = DOCS / "guide" / "configuration.md"
     text = page.read_text()
     assert generator["render"](text) == text, (
-        "docs/configuration.md's settings table is not what spawnrun/config/_settings.py's "
+        "docs/guide/configuration.md's settings table is not what spawnrun/config/_settings.py's "
         "reference_table() renders: run `python docs/gen_reference.py`"
     )
 

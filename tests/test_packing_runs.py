@@ -190,13 +190,16 @@ def test_a_bad_packing_option_is_a_usage_error(pytester, option, value, message)
 @pytest.mark.parametrize(
     "args, shared",
     [
-        pytest.param([], False, id="no-budget-alone"),
+        # No record (no cache): a first run's share of each device (80 GiB / per_gpu).
+        pytest.param([], True, id="first-runs-share"),
+        pytest.param(["--spawn-pack", "declared"], False, id="no-budget-alone"),
         pytest.param(["--spawn-memory", "1GiB"], True, id="declared-default-budget"),
         pytest.param(["--spawn-pack", "off", "--spawn-memory", "1GiB"], False, id="pack-off"),
     ],
 )
 def test_unmarked_tests_under_spawn_gpu_hold_every_device(pytester, stamps, args, shared):
-    """--spawn-gpu alone: a test sees every device, so it holds each, alone unless told."""
+    """--spawn-gpu alone: a test sees every device, so it holds each: alone unless told,
+    or on a first run's share under ``auto`` where it has no peak recorded."""
     pytester.makepyfile(
         test_plain="from stamping import stamp\n\n"
         "def test_a():\n    stamp('a')\n\ndef test_b():\n    stamp('b')\n\n"
@@ -752,8 +755,8 @@ def test_a_configured_template_forks_tests_of_other_budgets_each_with_its_own(
 ):
     """Tests in files of their own with learned budgets (timm's model tests on a second
     run, one per file here) fork from one configured template, as tests without a
-    budget do: the template runs with none, and each fork with its test's own, or none
-    where the test has no record. Before, a budget was part of a template's kind, and no
+    budget do: the template runs with none, and each fork with its test's own, or a first
+    run's share where the test has no record. Before, a budget was part of a template's kind, and no
     learned budget is another test's. A conftest that reads the budget while pytest is
     configured would see none in the template, where a spawned child sees its test's:
     then no configured template serves, and each test's conftest sees its own."""
@@ -777,10 +780,8 @@ def test_a_configured_template_forks_tests_of_other_budgets_each_with_its_own(
     ran = {i: (records / f"ran-{i}").read_text().split() for i in range(n)}
     for i, (_, seen) in ran.items():
         mib = told[f"test_{i}"]
-        if i == n - 1:
-            assert seen == "None" and mib is None, (seen, mib)
-        else:
-            assert round(int(seen) / 2**20) == round(float(mib)), (i, seen, mib)
+        assert round(int(seen) / 2**20) == round(float(mib)), (i, seen, mib)
+    assert len({seen for _, seen in ran.values()}) == n, ran  # each its own
     configured = {int(p.name.split("-")[1]): p.read_text() for p in records.glob("configured-*")}
     pids = {int(pid) for pid, _ in ran.values()}
     templates = set(configured) - pids
@@ -848,7 +849,9 @@ def test_tests_that_kept_cores_busy_take_job_slots_on_the_next_run(
     loads = json.loads((pytester.path / ".pytest_cache/v/spawnrun/cpu-loads").read_text())
     busy = [loads[f"test_busy.py::test_busy[{i}]"] for i in range(2)]
     idle = [loads[f"test_idle.py::test_idle[{i}]"] for i in range(3)]
-    assert min(busy) > 0.3 > max(idle), loads  # what the cores did, however many there are
+    # What the cores did, however many there are and however busy the machine is (on
+    # a loaded one a busy test got 0.2 of a core: an absolute threshold failed there).
+    assert min(busy) > 0.05 and min(busy) > 3 * max(idle), loads
     junit = (pytester.path / "out.xml").read_text()
     assert 'name="spawnrun_cpu_load"' in junit
     # Every core, whatever this machine has: each busy test takes all four slots.
