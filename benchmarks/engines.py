@@ -253,7 +253,8 @@ def main() -> int:
             (f"fast, run {i}", ["--spawn-method", "forkserver"]) for i in range(1, opts.runs + 1)
         ]
         for name, args in rows:
-            r = run(folder, args, opts.run_timeout, logs / f"{case}-{name.replace(', ', '-').replace(' ', '')}.log")
+            log = logs / f"{case}-{name.replace(', ', '-').replace(' ', '')}.log"
+            r = run(folder, args, opts.run_timeout, log)
             if case == "engine" and name != "plain":
                 r["checks"] = engine_checks(r)
             results[f"{case}: {name}"] = r

@@ -4,9 +4,10 @@ settings table's, and every command it shows runs.
 Which commands are "shown", the rule the pages follow:
 
 - Pages: README.md and every docs/**/*.md, except the validation record
-  (docs/validation/: gpu-validation.md and performance.md). Those record past runs on a lent H200 host, with that host's
-  scripts, variables and timings: evidence that the .ci/gpu scripts reproduce on a GPU
-  host, not instructions, and nothing this machine can run.
+  (docs/validation/: gpu-validation.md and performance.md). Those record past runs on a
+  lent H200 host, with that host's scripts, variables and timings: evidence that the
+  .ci/gpu scripts reproduce on a GPU host, not instructions, and nothing this machine can
+  run.
 - A command is a line that starts with "$ " in a ```console block; the lines after it,
   up to the next "$ ", are its output (shown, not checked). The commands of one block
   run in order in one fresh sample project (pytest-split's durations, then the split

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import pickle
 import traceback
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -68,12 +69,7 @@ def main(
     _budget.install()
     relay = isolate(spec, conn, parent)
     os.chdir(spec.invocation_dir)
-    relay.undo = [
-        _availability.while_collecting(spec.cuda_available, spec.torch_config),
-        _metadata.while_configuring(),
-        _environ.observing_boot(),  # whether its boot read its device mask
-        _main.settle,  # before the test: ``__main__`` as complete as the parent's
-    ]
+    relay.undo = _while_booting(spec)
     try:
         config = _configure(spec, spec.args, relay)
         code = config.hook.pytest_cmdline_main(config=config)
@@ -187,12 +183,7 @@ def configured(spec: _orders.ChildSpec, serving: Any) -> NoReturn:
     spec = dataclasses.replace(spec, stacks_path=stacks.name, option_dict=options)
     relay = Relay(spec, None, stacks)  # type: ignore[arg-type]
     os.chdir(spec.invocation_dir)
-    relay.undo = [
-        _availability.while_collecting(spec.cuda_available, spec.torch_config),
-        _metadata.while_configuring(),
-        _environ.observing_boot(),  # whether its boot read its device mask
-        _main.settle,  # before the test: ``__main__`` as complete as the parent's
-    ]
+    relay.undo = _while_booting(spec)
     config = _configure(spec, spec.run_args, relay)
     config.pluginmanager.register(serving, "spawnrun-configured")
     try:
@@ -285,3 +276,16 @@ def _name_capture_files(directory: str) -> None:
         return open(path, "w+b", buffering=buffering)  # noqa: SIM115
 
     _pytest.capture.TemporaryFile = named  # type: ignore[attr-defined, assignment]
+
+
+def _while_booting(spec: _orders.ChildSpec) -> list[Callable[[], None]]:
+    """What a child arranges while it boots, each undone before its test: the parent's
+    CUDA answers while it collects, the template's package metadata while pytest is
+    configured, a watch on whether its boot read its device mask, and ``__main__``
+    settled as complete as the parent's."""
+    return [
+        _availability.while_collecting(spec.cuda_available, spec.torch_config),
+        _metadata.while_configuring(),
+        _environ.observing_boot(),
+        _main.settle,
+    ]

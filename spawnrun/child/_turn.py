@@ -83,25 +83,7 @@ class Turn:
         try:
             if not self.done:
                 self.done = True
-                peak, per_device = _peaks()
-                # The test is over: give the device back before the session's end, so
-                # the next test on it waits only for memory that is really still held.
-                _probe.release_devices()
-                terminal = self.terminal_since()
-                imported = self._imported()
-                load = self._cpu_load()
-                self.send(
-                    _replies.Done(
-                        self.notes,
-                        terminal,
-                        peak,
-                        per_device,
-                        jax_peak=_probe.jax_peak(),
-                        imported=imported,
-                        cpu_load=load,
-                        doubt=_environ.doubt(),
-                    )
-                )
+                self.send(self._done(more=False))
                 if self.sink is not None:
                     self.sink.to_own()  # the session's end is no part of the test
             elif self.notes:
@@ -149,26 +131,30 @@ class Turn:
 
     def done_for_now(self) -> None:
         """Say the test is done; the process waits for another (``Done.more``)."""
-        peak, per_device = _peaks()
-        held = _probe.allocated()
-        terminal = self.terminal_since()
-        imported = self._imported()
-        load = self._cpu_load()
-        self.send(
-            _replies.Done(
-                self.notes,
-                terminal,
-                peak,
-                per_device,
-                True,
-                jax_peak=_probe.jax_peak(),  # since the child started: JAX resets none
-                held_bytes=held,
-                imported=imported,
-                cpu_load=load,
-                doubt=_environ.doubt(),
-            )
-        )
+        self.send(self._done(more=True))
         self.notes = []
+
+    def _done(self, more: bool) -> _replies.Done:
+        """The test's "done": its peaks, read before anything gives a device back; then,
+        where no other test comes (``more`` False), the device given back before the
+        session's end, so that the next test on it waits only for memory still held."""
+        peak, per_device = _peaks()
+        jax = _probe.jax_peak()  # since the child started: JAX resets none
+        held = _probe.allocated() if more else None
+        if not more:
+            _probe.release_devices()
+        return _replies.Done(
+            self.notes,
+            self.terminal_since(),
+            peak,
+            per_device,
+            more,
+            held_bytes=held,
+            jax_peak=jax,
+            imported=self._imported(),
+            cpu_load=self._cpu_load(),
+            doubt=_environ.doubt(),
+        )
 
     def await_go(self, by_id: dict[str, Any]) -> Any:
         """The scope's next test, once a ``Go`` names it (None: stop)."""
