@@ -141,7 +141,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # each spawned test needs.
     if SETTINGS_KEY not in config.stash:
         return
-    items[:] = _plan.plan_items(config, items, config.stash[_session.SCHEDULER_KEY].limit)
+    try:
+        items[:] = _plan.plan_items(config, items, config.stash[_session.SCHEDULER_KEY].limit)
+    except pytest.UsageError as exc:
+        if not _session.xdist_worker():
+            raise
+        # A worker that raises here ends its session while xdist's controller waits for
+        # its tests: an INTERNALERROR (``assert not crashitem``). A failed collection
+        # report reaches the controller instead, which shows it once and runs nothing.
+        report = pytest.CollectReport("", "failed", f"{_USAGE_ERROR}: {exc}", [])
+        config.hook.pytest_collectreport(report=report)
+        items[:] = []
+
+
+#: How a usage error found while a worker plans its tests is reported under xdist.
+_USAGE_ERROR = "spawnrun: usage error"
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -224,12 +224,25 @@ def test_class_scope_shares_a_child_per_class(suite):
         ),
     ],
 )
-def test_bad_scopes_are_usage_errors_naming_their_source(pytester, text, message):
+@pytest.mark.parametrize("xdist", [False, True], ids=["", "n2"])
+def test_bad_scopes_are_usage_errors_naming_their_source(pytester, text, message, xdist):
+    """Under xdist too: a worker that raised the usage error ended its session while the
+    controller waited for its tests, an INTERNALERROR (``assert not crashitem``); the
+    error now reaches the controller as a collection error, shown once, and nothing
+    runs."""
     body = "\ndef test_x():\n    pass\n\ndef test_y():\n    pass\n"
     pytester.makepyfile(test_bad=f"import pytest\n{text}{body}")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--spawn-gpus", "0,")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([message])
+    args = ["-p", "no:cacheprovider", "--spawn-gpus", "0,", *(["-n", "2"] if xdist else [])]
+    result = pytester.runpytest_subprocess(*args)
+    if not xdist:
+        assert result.ret == pytest.ExitCode.USAGE_ERROR
+        result.stderr.fnmatch_lines([message])
+        return
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    result.stdout.fnmatch_lines(["spawnrun: usage error: *" + message.lstrip("*")])
+    assert result.stdout.str().count("spawnrun: usage error:") == 2  # the error, its line
+    result.assert_outcomes(errors=1)
 
 
 def test_budgets_learned_for_a_scope_take_its_largest_or_run_alone(suite):
