@@ -68,3 +68,46 @@ def test_explain_says_where_each_test_would_run_and_runs_nothing(pytester, monke
             "of a test that waits for devices, if it ends before that test could start)",
         ]
     )
+
+
+def test_explain_under_xdist_lists_each_test_and_what_a_worker_does(pytester, monkeypatch):
+    """The xdist controller collects nothing itself: explain listed no test, and said
+    backfilling and gathering were on, which they are not under xdist."""
+    ran = pytester.path / "ran.txt"
+    monkeypatch.setenv("RAN", str(ran))
+    pytester.makepyfile(test_suite=SUITE)
+    explained = pytester.runpytest_subprocess(*ARGS, "--spawn-explain", "-n", "2")
+    assert explained.ret == pytest.ExitCode.OK
+    assert not ran.exists()
+    explained.stdout.fnmatch_lines(
+        [
+            "spawnrun: under xdist, each worker runs one test's child at a time, at most * "
+            "per GPU over all workers; packing auto; children spawned",
+            "spawnrun: backfilling off (*)",
+            "spawnrun: gathering off (*)",
+            "test_suite.py::test_budget: spawned; 1 GPU; budget 2.0 GiB (memory='2GiB');*",
+            "test_suite.py::test_plain: in-process (not marked gpu, and --spawn-gpu not given)",
+        ]
+    )
+
+
+def test_explain_says_a_collection_error_stops_the_run(pytester, monkeypatch):
+    """A module that fails to import stops pytest before any test: explain says so and
+    lists no plan (it listed the others' as if they would run); with
+    ``--continue-on-collection-errors`` it lists them."""
+    monkeypatch.setenv("RAN", str(pytester.path / "ran.txt"))
+    pytester.makepyfile(test_suite=SUITE, test_broken="import no_such_module_here\n")
+    stopped = pytester.runpytest_subprocess(*ARGS, "--spawn-explain")
+    assert stopped.ret == pytest.ExitCode.INTERRUPTED
+    stopped.stdout.fnmatch_lines(
+        [
+            "spawnrun: no test would run: 1 error(s) during collection, where pytest stops "
+            "(--continue-on-collection-errors runs the others)",
+            "*Interrupted: 1 error during collection*",
+        ]
+    )
+    stopped.stdout.no_fnmatch_line("test_suite.py::test_budget:*")
+    going = pytester.runpytest_subprocess(
+        *ARGS, "--spawn-explain", "--continue-on-collection-errors"
+    )
+    going.stdout.fnmatch_lines(["test_suite.py::test_budget: spawned;*"])

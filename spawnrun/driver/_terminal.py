@@ -136,13 +136,23 @@ def explain(session: pytest.Session) -> bool:
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     scheduler = config.stash[_session.SCHEDULER_KEY]
     fast = settings.method == "forkserver"
-    head = [
-        config.stash[INVENTORY_KEY].describe(),
-        f"spawnrun: up to {scheduler.limit} test(s) at once, "
-        f"at most {scheduler.allocator.per_gpu} per GPU; packing {settings.pack}; "
-        f"children {'forked from templates (fast mode)' if fast else 'spawned'}",
-    ]
-    backfill, gather = scheduler.backfill(), scheduler.gather()
+    children = f"children {'forked from templates (fast mode)' if fast else 'spawned'}"
+    per_gpu = f"at most {scheduler.allocator.per_gpu} per GPU"
+    packing = f"packing {settings.pack}; {children}"
+    head = [config.stash[INVENTORY_KEY].describe()]
+    if _session.xdist_controller(config):
+        # The controller collects nothing itself (its workers do): it collects here, to
+        # say what each worker would do with each test; a worker runs one at a time.
+        if not session.items:
+            session.perform_collect()
+        head.append(
+            "spawnrun: under xdist, each worker runs one test's child at a time, "
+            f"{per_gpu} over all workers; {packing}"
+        )
+        backfill, gather = 0, 0
+    else:
+        head.append(f"spawnrun: up to {scheduler.limit} test(s) at once, {per_gpu}; {packing}")
+        backfill, gather = scheduler.backfill(), scheduler.gather()
     head += [
         _on_off(
             "backfilling",
@@ -157,6 +167,18 @@ def explain(session: pytest.Session) -> bool:
             "one job at a time, under xdist, or a failure stops the session",
         ),
     ]
+    if session.testsfailed and not config.option.continue_on_collection_errors:
+        # pytest stops at a collection error and runs nothing: so says the answer.
+        errors = f"{session.testsfailed} error(s) during collection"
+        head.append(
+            f"spawnrun: no test would run: {errors}, where pytest stops "
+            "(--continue-on-collection-errors runs the others)"
+        )
+        if reporter is not None:
+            reporter.write_sep("-", "spawnrun: where each test would run (nothing ran)")
+            for line in head:
+                reporter.write_line(line)
+        return False  # pytest's own loop then ends the session at the error, as always
     durations = scheduler.durations if backfill else None
     text = _explain.lines(session.items, settings, dict(_boots.load(config)), head, durations)
     if reporter is not None:
