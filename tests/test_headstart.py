@@ -11,7 +11,12 @@ scratch and the tests see what they would have seen.
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
@@ -240,3 +245,32 @@ def test_the_template_imports_what_the_test_files_import_while_the_parent_collec
     if cache == "testpaths":
         assert imports[template[0]] < float((pytester.path / "conftest.json").read_text())
     assert [row[2] for row in seen] == [False, False]
+
+
+def test_a_sigterm_while_the_conftests_load_leaves_no_template_directory(pytester, tmp_path):
+    """The template starts before the conftests load, in a directory of its own under
+    the temporary directory (without pytest's cache); a SIGTERM before the session
+    turns it into an interrupt ended pytest there with no cleanup, and left the
+    directory behind. The process still dies of the signal."""
+    loading = tmp_path / "loading"
+    pytester.makeconftest(
+        f"import pathlib, time\npathlib.Path({str(loading)!r}).touch()\ntime.sleep(60)\n"
+    )
+    pytester.makepyfile(test_x="def test_x():\n    pass\n")
+    private = tmp_path / "tmp"
+    private.mkdir()
+    env = {**os.environ, "TMPDIR": str(private)}
+    cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--spawn-method"]
+    cmd += ["forkserver", "--spawn-gpu"]
+    proc = subprocess.Popen(cmd, cwd=pytester.path, env=env, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not loading.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert loading.exists(), "the conftest never loaded"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert sorted(p.name for p in private.iterdir() if p.name.startswith("spawnrun")) == []

@@ -193,7 +193,9 @@ def _install_sigterm(config: pytest.Config) -> None:
     # unless someone else already handles SIGTERM.
     if threading.current_thread() is not threading.main_thread():
         return
-    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    head = config.stash.get(_headstart.KEY, None)
+    early = head.on_sigterm if head is not None else None  # the head start's, until now
+    if signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, early):
         return
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:

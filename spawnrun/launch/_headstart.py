@@ -28,8 +28,10 @@ import contextlib
 import dataclasses
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +78,8 @@ class HeadStart:
     cache: Any = None
     #: What of ``optional`` only pytest's cache named (imported last, bounded).
     learned: set[str] = dataclasses.field(default_factory=set)
+    #: Its SIGTERM handler until the session's own (``close_on_sigterm``), or None.
+    on_sigterm: Any = None
 
     def misfit(self, holder: _forkserver.ZygoteHolder) -> str:
         """Why a template started with this would differ from the holder's ("": none)."""
@@ -205,6 +209,7 @@ def start(config: pytest.Config) -> None:
     )
     config.stash[KEY] = head
     config.add_cleanup(head.close)
+    close_on_sigterm(head)
     if head.off:
         return
     head.workdir = head.workdir or tempfile.mkdtemp(prefix="spawnrun-zygote-")
@@ -214,6 +219,26 @@ def start(config: pytest.Config) -> None:
     except Exception:  # noqa: BLE001 - the session starts one as before, and says why
         return
     head.zygote.preload_all(optional, head.learned, late=set(preloads) - set(found))
+
+
+def close_on_sigterm(head: HeadStart) -> None:
+    """Until the session turns SIGTERM into an interrupt (at its configure), a SIGTERM
+    (a conftest still loading, say) ended pytest here with no cleanup, and left the
+    template's directory (``spawnrun-zygote-*`` in the temporary directory) behind:
+    the head start is closed first, then the process dies of the signal as before. Not
+    where something else already handles SIGTERM, nor off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        head.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    head.on_sigterm = on_sigterm
 
 
 def remember(config: pytest.Config, holder: _forkserver.ZygoteHolder) -> None:
