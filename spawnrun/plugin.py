@@ -84,7 +84,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _loads = config.stash[_session.LOADS_KEY]
     _collected = config.stash.get(_session.COLLECTED_KEY, None)
     config.pluginmanager.register(_Spawns(), "spawnrun-spawns")
-    config.pluginmanager.register(_AfterEachTest(), "spawnrun-after-each-test")
+    config.pluginmanager.register(_AfterEachTest(config), "spawnrun-after-each-test")
 
 
 @pytest.hookimpl
@@ -213,7 +213,19 @@ def _runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool |
 
 
 class _AfterEachTest:
-    """Runs after every test's protocol, spawned or not (a wrapper around them all)."""
+    """Runs after every test's protocol, spawned or not (a wrapper around them all), and
+    after every report junitxml takes (which test each of its test cases is)."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> Generator[None, None, None]:
+        cases = _session.junit_cases(self.config)
+        before = len(cases) if cases is not None else 0
+        yield
+        if cases is not None:
+            _session.junit_cases_of(self.config, cases[before:], report.nodeid)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(

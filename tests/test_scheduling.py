@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 
@@ -347,3 +348,34 @@ def test_a_killed_xdist_worker_does_not_hold_its_device_forever(pytester):
     result.stdout.fnmatch_lines(
         ["*worker 'gw*' crashed while running 'test_*.py::test_gpu[[]0[]]'*"]
     )
+
+
+def test_junitxml_lists_tests_in_collection_order(pytester):
+    """Children end in any order; junitxml wrote its test cases as their reports came
+    (completion order), where the summary and the docs give collection order."""
+    pytester.makepyfile(
+        test_order="""
+        import time
+        import pytest
+
+        @pytest.mark.gpu(count=0)
+        def test_a_slow():
+            time.sleep(1.5)
+
+        @pytest.mark.gpu(count=0)
+        def test_b_fast():
+            pass
+
+        def test_c_in_process():
+            pass
+
+        @pytest.mark.gpu(count=0)
+        def test_d_fast():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--junitxml=out.xml")
+    result.assert_outcomes(passed=4)
+    cases = ElementTree.parse(pytester.path / "out.xml").getroot().iter("testcase")
+    names = [case.get("name") for case in cases]
+    assert names == ["test_a_slow", "test_b_fast", "test_c_in_process", "test_d_fast"]

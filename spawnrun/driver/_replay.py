@@ -353,7 +353,7 @@ def parent_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> pytest.T
     return report
 
 
-def _junitxml(config: pytest.Config) -> Any:
+def junitxml(config: pytest.Config) -> Any:
     """The parent's junitxml writer, or None without ``--junitxml``.
 
     junitxml keeps it under a stash key that pytest does not export. Without it, what a
@@ -366,7 +366,7 @@ def _junitxml(config: pytest.Config) -> Any:
 
 def _xml_attributes(item: pytest.Item, attributes: list[tuple[str, str]]) -> None:
     """Give junitxml the ``record_xml_attribute`` calls made in a child."""
-    xml = _junitxml(item.config)
+    xml = junitxml(item.config)
     if xml is not None:
         reporter = xml.node_reporter(item.nodeid)
         for name, value in attributes:
@@ -375,6 +375,6 @@ def _xml_attributes(item: pytest.Item, attributes: list[tuple[str, str]]) -> Non
 
 def suite_property(config: pytest.Config, name: str, value: str) -> None:
     """Give junitxml a ``record_testsuite_property`` call made in a child."""
-    xml = _junitxml(config)
+    xml = junitxml(config)
     if xml is not None:
         xml.add_global_property(name, value)

@@ -18,6 +18,7 @@ import signal
 import threading
 from types import FrameType
 from typing import TYPE_CHECKING
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,7 @@ from spawnrun.devices import _ledger
 from spawnrun.devices import _packing
 from spawnrun.driver import _cudawatch
 from spawnrun.driver import _early
+from spawnrun.driver import _replay
 from spawnrun.launch import _forkserver
 from spawnrun.launch import _headstart
 from spawnrun.launch import _runner
@@ -257,12 +259,35 @@ def close(session: pytest.Session) -> None:
     holder = session.config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         holder.close()
-    # Children finish in any order; the summary lists tests in collection order.
+    # Children finish in any order; the summary and junitxml list tests in collection
+    # order (junitxml wrote them as their reports came; its writer runs after this).
+    order = {item.nodeid: i for i, item in enumerate(session.items)}
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        order = {item.nodeid: i for i, item in enumerate(session.items)}
         for reports in reporter.stats.values():
             reports.sort(key=lambda r: order.get(getattr(r, "nodeid", ""), len(order)))
+    cases = junit_cases(session.config)
+    tests = session.config.stash.get(JUNIT_TESTS_KEY, {})
+    if cases is not None:
+        cases.sort(key=lambda case: order.get(tests.get(id(case), ""), len(order)))
+
+
+#: Which test each of junitxml's test cases is (by the case's ``id()``): junitxml
+#: clears a case's attributes once it is complete.
+JUNIT_TESTS_KEY = pytest.StashKey[dict[int, str]]()
+
+
+def junit_cases(config: pytest.Config) -> list[Any] | None:
+    """junitxml's test cases in the order it will write them (None: no --junitxml)."""
+    cases = getattr(_replay.junitxml(config), "node_reporters_ordered", None)
+    return cases if isinstance(cases, list) else None
+
+
+def junit_cases_of(config: pytest.Config, cases: list[Any], nodeid: str) -> None:
+    """The test cases junitxml made for a report of ``nodeid``."""
+    if cases:
+        tests = config.stash.setdefault(JUNIT_TESTS_KEY, {})
+        tests.update((id(case), nodeid) for case in cases)
 
 
 def _store_learned(config: pytest.Config) -> None:
