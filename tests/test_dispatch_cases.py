@@ -16,6 +16,7 @@ from sim.world import Unsafe
 from sim.world import World
 
 from spawnrun.dispatch import Dispatcher
+from spawnrun.dispatch import batch
 from spawnrun.dispatch import events as ev
 from spawnrun.dispatch.events import Kind
 
@@ -795,3 +796,15 @@ def test_no_test_before_a_failure_waiting_to_be_told_is_gathered() -> None:
     result = world.run()
     assert result.stuck == []
     assert result.dispatcher.stopped_after == "t3"
+
+
+def test_a_batch_is_performed_in_one_order_by_the_driver_and_the_simulator():
+    """A child booted ahead is started after the tests that go now; one that another
+    action of the batch names is started where it stands. The driver started every
+    child booted ahead last, the simulator in the batch's order: a ``Dismiss`` of a
+    child started in the same batch was performed before its start, and lost."""
+    ahead = ev.Start(1, Kind.SPAWN, ("0",), test="a")
+    going = ev.Start(2, Kind.SPAWN, ("0",), test="b")
+    dismissed = ev.Start(3, Kind.SPAWN, ("0",), test="c")
+    batch_ = [ahead, going, dismissed, ev.Go(2, "b"), ev.Dismiss(3)]
+    assert batch.performed(batch_) == [going, dismissed, ev.Go(2, "b"), ev.Dismiss(3), ahead]

@@ -147,7 +147,7 @@ def _serial_bound(world: World) -> float:
         for spec in world.specs.values()
     ]
     peers = sum(end - start + world.peer_lag + 0.2 for start, end, _, _ in world.peers)
-    return sum(per_test) + peers + 3 * 1.5 + s.patience * 0
+    return sum(per_test) + peers + 3 * 1.5
 
 
 SETTINGS = settings(

@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 
 from spawnrun.devices import _packing
+from spawnrun.dispatch import batch
 from spawnrun.dispatch import events as ev
 from spawnrun.dispatch.events import Kind
 from spawnrun.dispatch.events import Outcome
@@ -79,14 +80,7 @@ class Performer(Units):
     # Actions -------------------------------------------------------------------------
 
     def _perform(self, actions: list[ev.Action]) -> None:
-        # A test that may go now goes before children for later tests are started: a
-        # fork request waits for the template's answer, and the test must not.
-        going = {a.child for a in actions if isinstance(a, ev.Go)}
-
-        def ahead(action: ev.Action) -> bool:
-            return isinstance(action, ev.Start) and action.child not in going
-
-        for action in sorted(actions, key=ahead):  # stable: the order within each stays
+        for action in batch.performed(actions):  # the simulator's order too
             if isinstance(action, ev.Start):
                 self._start(action)
             elif isinstance(action, ev.Go):

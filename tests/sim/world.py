@@ -34,6 +34,7 @@ from dataclasses import field
 
 from spawnrun.devices import _packing
 from spawnrun.dispatch import Dispatcher
+from spawnrun.dispatch import batch
 from spawnrun.dispatch import events as ev
 from spawnrun.dispatch.events import Kind
 from spawnrun.dispatch.events import Outcome
@@ -348,7 +349,7 @@ class World:
         self.log.extend(actions)
         if len(self.log) > 50000:  # a loop at one instant (start, fail, start...) is a hang
             raise Hang(f"over 50000 actions by {self.now}s:\n{self._state()}")
-        for action in actions:
+        for action in batch.performed(actions):  # in the driver's order
             getattr(self, "_" + type(action).__name__.lower())(action)
         self._check_safety()
 
