@@ -13,7 +13,7 @@ test does).
         --pytest-args "-o addopts="
 
 Nothing is fetched at run time: the project's checkout and its dependencies must be
-there (``fetch`` gives the sources; ``docs/performance.md`` says which were measured).
+there (``fetch`` gives the sources; ``docs/validation/performance.md`` says which were measured).
 """
 
 from __future__ import annotations

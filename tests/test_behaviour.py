@@ -704,7 +704,7 @@ def test_child_module_does_not_import_parent_side(pytester):
 
 def test_readme_demo_shows_isolation():
     """The demo suite the README's "Try the demo" command runs: passes, and fails without
-    isolation (docs/debugging.md says so of --no-spawn)."""
+    isolation (docs/guide/debugging.md says so of --no-spawn)."""
     import subprocess
     import sys
     from pathlib import Path

@@ -57,7 +57,7 @@ def _coverage(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 
 @METHODS
 def test_coverage_run_with_parallel_measures_children(pytester, method):
-    # docs/compatibility.md's configuration for `coverage run -m pytest`: parallel mode,
+    # docs/guide/compatibility.md's configuration for `coverage run -m pytest`: parallel mode,
     # nothing else.
     pytest.importorskip("coverage")
     _suite(pytester)

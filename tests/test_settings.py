@@ -63,13 +63,13 @@ def test_timeout_precedence(ini, env, cli, expected):
 
 
 def test_an_empty_environment_value_counts_as_unset_as_documented():
-    """docs/configuration.md, Precedence: an empty value leaves the setting where the
+    """docs/guide/configuration.md, Precedence: an empty value leaves the setting where the
     lower places put it (an empty CI matrix entry), never an empty setting."""
     assert resolve({"spawn_timeout": "10"}, {}, {"SPAWNRUN_TIMEOUT": ""}).timeout == 10.0
     assert resolve(env={"SPAWNRUN_GPUS": ""}).gpus == resolve().gpus
     assert (
         "An environment\nvariable or ini option set to an empty value counts as unset"
-        in (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+        in (Path(__file__).parent.parent / "docs" / "guide" / "configuration.md").read_text()
     )
 
 
@@ -201,7 +201,7 @@ def test_help_texts_come_from_one_table(pytester):
     assert _settings.marker_doc("gpu").split(":")[0] in markers
     assert _settings.forked_doc("gpu").split(":")[0] in markers
     # Each setting's row reaches the documentation's configuration table too.
-    page = (Path(__file__).parent.parent / "docs" / "configuration.md").read_text()
+    page = (Path(__file__).parent.parent / "docs" / "guide" / "configuration.md").read_text()
     rows = [line for line in page.splitlines() if line.startswith("| ")]
     for s in _table.SETTINGS:
         names = [f"`{n}`" for n in (s.cli, s.ini, s.env) if n]

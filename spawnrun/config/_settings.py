@@ -59,7 +59,7 @@ def _default_text(s: _table.Setting) -> str:
 def reference_table() -> str:
     """The configuration reference as a Markdown table, one row per setting.
 
-    docs/configuration.md holds this between its settings-table markers
+    docs/guide/configuration.md holds this between its settings-table markers
     (``python docs/gen_reference.py`` rewrites it; a test checks that they agree),
     as ``--help`` holds the same help texts.
     """

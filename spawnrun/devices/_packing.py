@@ -36,7 +36,7 @@ import pytest
 ALONE = None
 #: What a process's CUDA context (and cuBLAS's workspace) takes on a device beside what
 #: its allocator holds: measured on the H200 at 0.52-0.62 GiB per process after a first
-#: matmul (docs/gpu-validation.md); rounded up.
+#: matmul (docs/validation/gpu-validation.md); rounded up.
 RESERVE = 1 << 30
 #: Learned budgets: the measured peak times this, plus ``LEARNED_MARGIN``.
 LEARNED_FACTOR = 1.25
