@@ -174,3 +174,12 @@ def test_check_modules_keeps_installed_libraries_only(tmp_path, monkeypatch):
     assert kept == ["lib", "lib.sub"]
     assert dropped == {"nspkg": _learned.TOO_MANY}
     assert _learned.check_modules("lib", root.resolve()) == ([], {"'lib'": _learned.NOT_A_LIST})
+
+
+def test_a_module_no_import_statement_can_name_is_not_learned(pytester):
+    """``sysconfig`` imports ``_sysconfigdata__x86_64-linux-gnu`` by name: a child that
+    reports it must not make the next run warn that the cache names no module (and the
+    run after it learn the name again)."""
+    config = pytester.parseconfig()
+    _learned.saw_imports(config, ["numpy", "_sysconfigdata__x86_64-linux-gnu", "a.b"])
+    assert list(config.stash[_learned.IMPORTED_KEY]) == ["numpy", "a.b"]

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import importlib.abc
-import importlib.machinery
 import os
 import sys
 import time
@@ -30,6 +28,7 @@ from collections.abc import Iterator
 from types import ModuleType
 from typing import Any
 
+from spawnrun.child._afterimport import after_import
 from spawnrun.devices._packing import show
 from spawnrun.proc import _probe
 
@@ -63,11 +62,7 @@ def install() -> None:
     """Arrange for the budget to be applied when torch initializes CUDA."""
     if budget() is None:
         return
-    cuda = getattr(sys.modules.get("torch"), "cuda", None)
-    if cuda is not None:
-        _queue(cuda)
-    else:
-        sys.meta_path.insert(0, _Watch())
+    after_import("torch.cuda", _queue)
 
 
 def _queue(cuda: ModuleType) -> None:
@@ -122,37 +117,6 @@ def _few_at_a_time(prefix: str, slots: int, limit: float = INIT_LOCK_WAIT) -> It
     finally:
         if held >= 0:
             os.close(held)  # closing the descriptor releases the lock
-
-
-class _Watch(importlib.abc.MetaPathFinder):
-    """Queue the budget right after ``torch.cuda`` is imported, whoever imports it."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != "torch.cuda":
-            return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None and spec.loader is not None:
-                spec.loader = _After(spec.loader)
-                return spec
-        return None
-
-
-class _After(importlib.abc.Loader):
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        with contextlib.suppress(Exception):
-            _queue(module)
-        with contextlib.suppress(ValueError):
-            sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _Watch)]
 
 
 def out_of_memory_note(excinfo: Any) -> str:

@@ -29,6 +29,7 @@ from spawnrun.child import _availability
 from spawnrun.child import _budget
 from spawnrun.child import _collection
 from spawnrun.child import _environ
+from spawnrun.child import _jaxcache
 from spawnrun.child import _metadata
 from spawnrun.child import _stackhook
 from spawnrun.child import _streams
@@ -67,6 +68,7 @@ def main(
     _coverage.start(spec.coverage, forked)
     # Before any of the suite's code: its budget caps torch when its CUDA comes up.
     _budget.install()
+    _jaxcache.install()
     relay = isolate(spec, conn, parent)
     os.chdir(spec.invocation_dir)
     relay.undo = _while_booting(spec)
@@ -209,6 +211,7 @@ def take_over(
     relay.spec = spec
     _bytecode.start()  # the test's environment replaced the template's
     _budget.install()
+    _jaxcache.install()
     _probe.die_with_parent(parent)
     os.setsid()
     # pytest's capture of the template held files every fork would share (one offset;

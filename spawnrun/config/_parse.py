@@ -236,3 +236,10 @@ def parse_pycache(value: object, source: str) -> str:
     if text not in ("auto", "off"):
         raise pytest.UsageError(f"{source}: expected auto or off, got {value!r}")
     return text
+
+
+def parse_jax_cache(value: object, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in ("run", "off"):
+        raise pytest.UsageError(f"{source}: expected run or off, got {value!r}")
+    return text

@@ -363,6 +363,21 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="SECONDS",
         title="wait for freed device memory (s)",
     ),
+    Setting(
+        name="jax_cache",
+        cli="--spawn-jax-cache",
+        ini="spawn_jax_cache",
+        env="SPAWNRUN_JAX_CACHE",
+        marker_kwarg=None,
+        default="run",
+        parse=_parse.parse_jax_cache,
+        help="Whether a run's children share JAX's persistent compilation cache, in a "
+        "directory of the run's own (run: a function one test compiled is loaded, not "
+        "compiled again, in the next test's process; not where JAX_COMPILATION_CACHE_DIR "
+        "is set) or each compiles for itself (off)",
+        metavar="run|off",
+        title="JAX compilations shared by a run's children",
+    ),
 )
 
 MARKER_KWARGS = tuple(s.marker_kwarg for s in SETTINGS if s.marker_kwarg)

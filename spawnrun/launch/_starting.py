@@ -10,6 +10,7 @@ mode, else spawned; ``start_early`` starts one for a file before its tests are k
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import pickle
 from collections.abc import Mapping
@@ -31,6 +32,9 @@ from spawnrun.child._budget import INIT_SLOTS_ENV
 from spawnrun.child._budget import SOURCE_ENV
 from spawnrun.child._budget import XLA_FRACTION_ENV
 from spawnrun.child._budget import XLA_PREALLOCATE_ENV
+from spawnrun.child._jaxcache import JAX_CACHE_ENV
+from spawnrun.child._jaxcache import JAX_DIR_ENV
+from spawnrun.config._plan import SETTINGS_KEY
 from spawnrun.devices import _inventory
 from spawnrun.devices import _ledger
 from spawnrun.devices import _packing
@@ -103,17 +107,55 @@ def child_env(
         known = [c for c in sizes if c]
         if known and len(known) == len(sizes):
             env[XLA_FRACTION_ENV] = f"{min(1.0, need / min(known)):.4f}"
+    settings = config.stash.get(SETTINGS_KEY, None)
+    if settings is None:
+        return env
+    cache = _jax_cache(config, settings.jax_cache)
+    if cache:
+        env[JAX_CACHE_ENV] = cache
     return env
+
+
+#: The run's directory for JAX's compilation cache ("": none), made once.
+_JAX_CACHE_KEY = pytest.StashKey[str]()
+
+
+def _jax_cache(config: pytest.Config, mode: str) -> str:
+    """Where the run's children share JAX's compilation cache: in the run's own
+    directory, where JAX is installed, ``mode`` is run and the environment names no
+    cache of JAX's ("" otherwise)."""
+    known = config.stash.get(_JAX_CACHE_KEY, None)
+    if known is not None:
+        return known
+    path = ""
+    if mode == "run" and not os.environ.get(JAX_DIR_ENV) and _has_jax():
+        directory = _run_directory(config) / "jax-cache"
+        directory.mkdir(parents=True, exist_ok=True)
+        path = str(directory)
+    config.stash[_JAX_CACHE_KEY] = path
+    return path
+
+
+def _has_jax() -> bool:
+    try:
+        return importlib.util.find_spec("jax") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _run_directory(config: pytest.Config) -> Path:
+    """The run's own directory, shared by its xdist workers (the ledger's private
+    directory), else below the session's basetemp."""
+    shared = getattr(config, "workerinput", {}).get("spawnrun_ledger")
+    return Path(shared) if shared else _options.parent_basetemp(config) / "spawnrun"
 
 
 def _init_lock(config: pytest.Config, device: str) -> Path:
     """The lock children sharing ``device`` create their CUDA contexts under.
 
-    In the run's own directory, shared by its xdist workers (the ledger's private
-    directory) or below the session's basetemp.
+    In the run's own directory (``_run_directory``).
     """
-    shared = getattr(config, "workerinput", {}).get("spawnrun_ledger")
-    directory = Path(shared) if shared else _options.parent_basetemp(config) / "spawnrun"
+    directory = _run_directory(config)
     directory.mkdir(parents=True, exist_ok=True)
     safe = "".join(c if c.isalnum() or c == "-" else "_" for c in device)
     return directory / f"cuda-init-{safe}.lock"  # slots: <this>-0, <this>-1, ...

@@ -294,10 +294,15 @@ def forget(config: pytest.Config, tops: Collection[str]) -> None:
 
 
 def saw_imports(config: pytest.Config, modules: list[str]) -> None:
-    """A test's child imported ``modules`` (third-party, not imported by its boot)."""
-    if modules:
+    """A test's child imported ``modules`` (third-party, not imported by its boot).
+
+    Only what an import statement can name is kept: ``sysconfig`` imports its data
+    module by a name with hyphens (``_sysconfigdata__x86_64-linux-gnu``), which the next
+    run would refuse with a warning, and the run after it learn again."""
+    names = [str(m) for m in modules if is_module_name(m)]
+    if names:
         seen = config.stash.setdefault(IMPORTED_KEY, {})
-        seen.update(dict.fromkeys(str(m) for m in modules))
+        seen.update(dict.fromkeys(names))
 
 
 def store_preloads(config: pytest.Config) -> None:
