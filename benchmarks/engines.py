@@ -199,7 +199,7 @@ def engine_checks(result: dict[str, Any]) -> dict[str, Any]:
     """Overlaps of an engine test with another test, and trees over their budgets."""
     tests = result["tests"]
     overlaps = 0
-    for e in (t for t in tests if "test_engine" in t["id"]):
+    for e in (t for t in tests if "::test_engine[" in t["id"]):
         overlaps += sum(
             1 for o in tests if o is not e and o["start"] < e["end"] and e["start"] < o["end"]
         )
