@@ -291,7 +291,8 @@ class World:
             self.feeds_now += 1
             if self.feeds_now > 2000:
                 raise Hang(f"over 2000 feeds at {self.now}s (a livelock):\n{self._state()}")
-        self.fed, self.feeds_now = self.now, 1
+        else:
+            self.fed, self.feeds_now = self.now, 1
         claims = tuple(self.peer_claims.values())
         if claims != self.told_peers and self.now - self.ledger_changed >= self.peer_lag:
             self.told_peers = claims
@@ -394,7 +395,7 @@ class World:
 
     def _state(self) -> str:
         waiting = [t for t in self.d.queue]
-        return dump(self.d, waiting[0]) if waiting else repr(list(self.d.children.values()))
+        return dump(self.d, waiting[0]) if waiting else repr(self.d.not_gone())
 
     def _at(self, when: float, event: ev.Event) -> None:
         heapq.heappush(self.queue, (when, next(self.seq), event))
