@@ -219,13 +219,13 @@ def _examples(n: int) -> settings:
     return settings(SETTINGS, max_examples=_BUDGET or max(1, int(n * _SCALE)))
 
 
-@_examples(500)
+@_examples(300)
 @given(scenarios())
 def test_every_test_ends_once_and_nothing_is_stuck(world: World) -> None:
     _every_test_ends_once_and_nothing_is_stuck(world)
 
 
-@_examples(300)
+@_examples(200)
 @given(scenarios(drain=True))
 def test_backfilling_keeps_every_test_ending_once_and_nothing_stuck(world: World) -> None:
     _every_test_ends_once_and_nothing_is_stuck(world)
@@ -251,7 +251,7 @@ def _every_test_ends_once_and_nothing_is_stuck(world: World) -> None:
     assert {c.token for d in pool.ids for c in pool.held(d)} <= {PEER}
 
 
-@_examples(300)
+@_examples(200)
 @given(scenarios())
 def test_each_fate_gets_its_report(world: World) -> None:
     result = world.run()
@@ -431,7 +431,7 @@ def test_backfilling_never_delays_the_head(worlds: tuple[World, World]) -> None:
     assert not late, f"backfilling delayed {late} (with, without)"
 
 
-@_examples(200)
+@_examples(150)
 @given(scenarios(edges=True))
 def test_every_wait_has_a_wake_up(world: World) -> None:
     """Few tests beside other workers that hold devices for long, and children whose
@@ -521,7 +521,7 @@ def _key(action: ev.Action) -> tuple[str, object]:
     return kind, getattr(action, "child", None) or getattr(action, "test", None)
 
 
-@_examples(100)
+@_examples(60)
 @given(scenarios())
 def test_the_driver_performs_a_batch_in_the_simulators_order(world: World) -> None:
     """The simulator and the driver perform each batch of the dispatcher's actions in
@@ -540,7 +540,7 @@ class _NoPreemption(Dispatcher):
         pass
 
 
-@_examples(150)
+@_examples(100)
 @given(scenarios(dispatcher=_NoPreemption))
 def test_a_wait_nothing_can_end_is_reported(world: World) -> None:
     """Whatever brings it about (here: idle holders never dismissed), a head that no
@@ -566,7 +566,7 @@ def _actions() -> st.SearchStrategy[list[ev.Action]]:
     return st.lists(action, max_size=8)
 
 
-@_examples(300)
+@_examples(150)
 @given(_actions())
 def test_a_batch_is_performed_with_goes_first_and_starts_in_place(
     actions: list[ev.Action],
