@@ -204,8 +204,9 @@ def hunt(mutant: Mutant) -> str:
     import spawnrun
 
     where = Path(spawnrun.__file__).resolve()
-    if ROOT in where.parents:
-        raise RuntimeError(f"spawnrun imports from {where}, not the patched copy")
+    copy = Path(os.environ["SPAWNRUN_MUTANT_COPY"]).resolve()
+    if copy not in where.parents:
+        raise RuntimeError(f"spawnrun imports from {where}, not the patched copy in {copy}")
     found = properties()
     order = [n for n in (mutant.killer,) if n in found]
     order += [n for n in found if n != mutant.killer]
@@ -228,6 +229,7 @@ def check(mutant: Mutant, examples: int = EXAMPLES, timeout: float = 300.0) -> s
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(copy), str(TESTS)])
         env["SPAWNRUN_SIM_EXAMPLES"] = str(examples)
+        env["SPAWNRUN_MUTANT_COPY"] = str(copy)
         env.pop("PYTHONDEVMODE", None)  # speed only: the properties start no process
         proc = subprocess.run(
             [sys.executable, "-c", f"from sim import mutants; mutants._child({mutant.name!r})"],
