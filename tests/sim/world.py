@@ -6,7 +6,13 @@ the simulated processes boot, run, crash, linger and exit on a clock that jumps 
 event to event. It keeps its own record of every process and checks, after every batch:
 
 * a device never holds more than its capacity (budgets plus a reserve each) or its cap,
-  and a test that runs alone shares its device with no live process;
+  and a test that runs alone shares its device with no live process. The oracle is the
+  world's truth, never the dispatcher's records: each process's need is what its test's
+  plan declares (or, after ``Again``, what its rerun runs with), and a process holds its
+  devices from its start until it has exited and NVML released its memory (``settle``
+  after its exit at most: past that the driver takes the memory as gone), whether or not
+  the dispatcher still counts it; only a process that outlived its kill by
+  ``kill_grace`` (unkillable) is left out, as the design gives it up;
 * actions respect the processes: a go only to a booted idle child, no action to one
   that has exited;
 * a scope's child runs its tests in the order they were submitted;
@@ -17,20 +23,30 @@ event to event. It keeps its own record of every process and checks, after every
 
 Other xdist workers share the devices through a ledger that the world keeps as the
 truth: a peer's claim is taken when it fits beside the claims there (the world's own
-live processes included), and the dispatcher learns of it ``peer_lag`` seconds later
-(the driver's poll). A start onto devices a peer took meanwhile is ``Denied``, as the
-driver's ledger claim would be; the safety checks count peers' claims too.
+live processes included). As the driver does, the world reads the ledger only when it
+feeds the dispatcher (a batch of events or a tick), and tells ``Peers`` when the claims
+changed at least ``peer_lag`` seconds before; nothing else tells a peer's release. A
+start onto devices a peer took meanwhile is ``Denied``, with the ledger's claims, as
+the driver's ledger claim would be; the safety checks count peers' claims too.
 
-A state in which the simulated pytest waits and nothing is due (no process event, no
-tick asked for) is a hang: ``Hang`` is raised with the dispatcher's state.
+Every wait has a wake-up (``Late``): before the clock moves on, each child the
+dispatcher counts as moving by itself (starting, running, exiting, killed, settling)
+has a deadline or an event the world will send it, and while a test waits and the
+dispatcher sees a peer's claim, it is fed again within ``poll``. A state in which the
+simulated pytest waits and nothing is due (no process event, no tick asked for) is a
+hang, and so is a loop of feeds at one instant or a run past a bounded number of steps:
+``Hang`` is raised with the dispatcher's state, never a simulator that loops.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from dataclasses import field
+from dataclasses import replace
 
 from spawnrun.devices import _packing
 from spawnrun.dispatch import Dispatcher
@@ -39,6 +55,8 @@ from spawnrun.dispatch import events as ev
 from spawnrun.dispatch.events import Kind
 from spawnrun.dispatch.events import Outcome
 from spawnrun.dispatch.live import dump
+from spawnrun.dispatch.units import MOVING
+from spawnrun.dispatch.units import State
 
 #: What a simulated test does. "pass"/"fail": reports and exits; "crash": dies while
 #: running; "boot-die": dies while booting; "start-fail": cannot be started; "exit-3":
@@ -69,6 +87,14 @@ class Hang(AssertionError):
 
 class Unsafe(AssertionError):
     pass
+
+
+class Late(AssertionError):
+    """A wait with no wake-up: a child that nothing will move, or a peer not polled."""
+
+
+#: The world's events that reach a child (what may end its state).
+_TO_CHILD = (ev.Booted, ev.Done, ev.Exited, ev.Released, ev.Refused, ev.StartFailed)
 
 
 @dataclass
@@ -106,8 +132,16 @@ class Proc:
     seen: tuple[str, ...] = ()
     #: What its boot did to the devices it saw.
     touched: str = ""
-    #: From its exit to NVML's release of its memory.
+    #: From its exit to NVML's release of its memory (inf: never).
     release_after: float = 0.0
+    #: What the driver claimed for it in the ledger (the dispatcher's record).
+    claimed: int | None = None
+    #: When it exits, and when its memory is free (the truth the safety checks use:
+    #: NVML's release, or ``settle`` after its exit at most); None: not yet known.
+    exit_at: float | None = None
+    freed_at: float | None = None
+    #: It outlived a kill (unkillable): from then on the design gives it up.
+    defied_at: float | None = None
 
 
 @dataclass
@@ -134,6 +168,8 @@ class World:
         told_next: bool = False,
         suite: bool = True,
         template_refuses: frozenset[str] = frozenset(),
+        dispatcher: Callable[[ev.Settings], Dispatcher] = Dispatcher,
+        record: bool = False,
     ) -> None:
         self.settings = settings
         self.specs = {s.test.id: s for s in specs}
@@ -151,7 +187,20 @@ class World:
         self.told_now: list[ev.Event] = []
         self.suite = suite
         self.template_refuses = template_refuses
-        self.d = Dispatcher(settings)
+        self.d = dispatcher(settings)
+        #: Each test's plan as the world knows it (declared; a rerun's need after
+        #: ``Again``), and each early key's need: the truth of what a process needs.
+        self.plan = {s.test.id: s.test for s in specs}
+        self.expect_need = {key: need for key, _count, need in expect}
+        #: The ledger's claims last told to the dispatcher, and when they last changed.
+        self.told_peers: tuple[tuple[str, int | None], ...] = ()
+        self.ledger_changed = 0.0
+        #: When the dispatcher was last fed, and feeds at that instant (a livelock bound).
+        self.fed = 0.0
+        self.feeds_now = 0
+        #: ``record``: each batch of actions, as returned and as performed.
+        self.record = record
+        self.batches: list[tuple[list[ev.Action], list[ev.Action]]] = []
         self.now = 0.0
         self.queue: list[tuple[float, int, ev.Event]] = []
         self.seq = itertools.count()
@@ -198,13 +247,10 @@ class World:
         if self.suite:
             first.append(ev.Suite(0.0, tuple(s.test for s in self.specs.values())))
         for index, (start, _end, _device, _need) in enumerate(self.peers):
-            if start == 0.0 and self._peer_takes(index):
-                if self.peer_lag == 0.0:
-                    first.append(self._ledger())
-            else:
+            if start > 0.0 or not self._peer_takes(index):
                 self._at(start, _PeerTakes(start, index))
         if first:
-            self._apply(self.d.handle(*first))
+            self._apply(self._feed(*first))
         for at, tid in enumerate(self.order):
             if self.stopped:
                 break
@@ -212,10 +258,10 @@ class World:
             if self.told_next:
                 events.append(ev.Next(self.now, tuple(self.order[at + 1 : at + 2])))
             events.append(ev.Submit(self.now, self.specs[tid].test))
-            self._apply(self.d.handle(*events))
+            self._apply(self._feed(*events))
             self._until(lambda tid=tid: self.d.placed(tid) or self.stopped, f"placing {tid}")
         if not self.stopped:
-            self._apply(self.d.handle(ev.Last(self.now)))
+            self._apply(self._feed(ev.Last(self.now)))
         self._until(self._drained, "draining")
         return Result(
             self.ends,
@@ -235,7 +281,23 @@ class World:
         )
 
     def _given_up(self) -> set[int]:
-        return {c.id for c in self.d.children.values() if c.state.value == "gone"}
+        children = self.d.children
+        return {i for i in self.procs if children[i].state is State.GONE}
+
+    def _feed(self, *events: ev.Event) -> list[ev.Action]:
+        """Feed the dispatcher, as the driver does: with the ledger's claims first, when
+        they changed (``peer_lag`` ago at least) since it was last told."""
+        if self.now == self.fed:
+            self.feeds_now += 1
+            if self.feeds_now > 2000:
+                raise Hang(f"over 2000 feeds at {self.now}s (a livelock):\n{self._state()}")
+        else:
+            self.fed, self.feeds_now = self.now, 1
+        claims = tuple(self.peer_claims.values())
+        if claims != self.told_peers and self.now - self.ledger_changed >= self.peer_lag:
+            self.told_peers = claims
+            events = (ev.Peers(self.now, claims), *events)
+        return self.d.handle(*events)
 
     def _until(self, done, what: str) -> None:  # type: ignore[no-untyped-def]
         while not done():
@@ -246,6 +308,7 @@ class World:
             due = self.queue[0][0] if self.queue else None
             if due is None and wake is None:
                 raise Hang(f"nothing due while {what}:\n{self._state()}")
+            self._check_wake_ups(min(t for t in (due, wake) if t is not None))
             if due is not None and (wake is None or due <= wake):
                 self.now = max(self.now, due)
                 batch = []
@@ -254,10 +317,27 @@ class World:
                     if self._observe(event):
                         batch.append(event)
                 if batch:
-                    self._apply(self.d.handle(*batch))
+                    self._apply(self._feed(*batch))
             else:
                 self.now = max(self.now, wake)  # type: ignore[type-var]
-                self._apply(self.d.handle(ev.Tick(self.now)))
+                self._apply(self._feed(ev.Tick(self.now)))
+
+    def _check_wake_ups(self, until: float) -> None:
+        """Before the clock moves on to ``until``: every child the dispatcher counts as
+        moving by itself has a deadline or an event coming, and a test that waits while
+        the dispatcher sees a peer's claim is fed again within ``poll``."""
+        if until <= self.now:
+            return
+        d = self.d
+        if d.queue and d.peers_hold() and until - self.fed > d.settings.poll + 1e-9:
+            raise Late(
+                f"{d.queue[0]} waits beside a peer's claim; no feed from {self.fed}s "
+                f"to {until}s (poll {d.settings.poll}s)"
+            )
+        coming = {getattr(e, "child", None) for _, _, e in self.queue if isinstance(e, _TO_CHILD)}
+        for child in d.not_gone():
+            if child.state in MOVING and child.deadline is None and child.id not in coming:
+                raise Late(f"at {self.now}s nothing will move {child.describe()}")
 
     def _observe(self, event: ev.Event) -> bool:
         """The world's side of an event; False: it is the world's own, not the driver's."""
@@ -267,10 +347,7 @@ class World:
             return False
         if isinstance(event, _PeerLeaves):
             del self.peer_claims[event.peer]
-            self._at(self.now + self.peer_lag, _Poll(self.now + self.peer_lag))
-            return False
-        if isinstance(event, _Poll):
-            self._at(self.now, self._ledger())
+            self.ledger_changed = self.now  # told at the next feed: nothing wakes for it
             return False
         proc = self.procs.get(getattr(event, "child", -1))
         if isinstance(event, _Freed):
@@ -281,7 +358,8 @@ class World:
             mine = self.d.children.get(proc.child)
             # The driver tells a release of every child that holds a claim when it exits:
             # one claimed while it booted unclaimed, and gone before its go, too.
-            if proc.devices or (mine is not None and mine.devices):
+            freed = proc.devices or (mine is not None and mine.devices)
+            if freed and not math.isinf(proc.release_after):  # NVML may never say so
                 when = self.now + proc.release_after
                 self._at(when, ev.Released(when, proc.child))
         if isinstance(event, ev.Booted) and proc is not None:
@@ -296,9 +374,8 @@ class World:
         if not self._ledger_pool().fits(device, need):
             return False
         self.peer_claims[index] = (device, need)
+        self.ledger_changed = self.now
         self._at(self.now + (end - start), _PeerLeaves(self.now + (end - start), index))
-        if self.now > 0.0 or self.peer_lag > 0.0:
-            self._at(self.now + self.peer_lag, _Poll(self.now + self.peer_lag))
         return True
 
     def _ledger(self) -> ev.Peers:
@@ -311,14 +388,14 @@ class World:
         gone = self._given_up()
         for p in self.procs.values():
             if p.child != without and not p.released and p.child not in gone:
-                pool.take(p.devices, p.need, f"c{p.child}")
+                pool.take(p.devices, p.claimed, f"c{p.child}")
         for index, (device, need) in self.peer_claims.items():
             pool.take((device,), need, f"peer{index}")
         return pool
 
     def _state(self) -> str:
         waiting = [t for t in self.d.queue]
-        return dump(self.d, waiting[0]) if waiting else repr(list(self.d.children.values()))
+        return dump(self.d, waiting[0]) if waiting else repr(self.d.not_gone())
 
     def _at(self, when: float, event: ev.Event) -> None:
         heapq.heappush(self.queue, (when, next(self.seq), event))
@@ -336,25 +413,35 @@ class World:
             self._tell_stop()
             batch, self.told_now = self.told_now, []
             if batch:
-                self._perform(self.d.handle(*batch))
+                self._perform(self._feed(*batch))
             self._perform(self.d.step())
 
     def _tell_stop(self) -> None:
         if self.stop_due:
             why, after = self.stop_due
             self.stop_due = None
-            self._perform(self.d.handle(ev.Stop(self.now, why, after)))
+            self._perform(self._feed(ev.Stop(self.now, why, after)))
 
     def _perform(self, actions: list[ev.Action]) -> None:
         self.log.extend(actions)
         if len(self.log) > 50000:  # a loop at one instant (start, fail, start...) is a hang
             raise Hang(f"over 50000 actions by {self.now}s:\n{self._state()}")
-        for action in batch.performed(actions):  # in the driver's order
+        ordered = batch.performed(actions)  # in the driver's order
+        if self.record:
+            self.batches.append((list(actions), list(ordered)))
+        for action in ordered:
             getattr(self, "_" + type(action).__name__.lower())(action)
         self._check_safety()
 
+    def _truth(self, test: str, key: str = "") -> int | None:
+        """What a process for ``test`` (or an early child for ``key``) needs, by the
+        world's plan: never the dispatcher's record."""
+        if test:
+            return self.plan[test].need
+        return self.expect_need.get(key, ev.ALONE)
+
     def _start(self, a: ev.Start) -> None:
-        need = self.d.children[a.child].need
+        need = self.d.children[a.child].need  # what the driver claims in the ledger
         if a.devices and self.peer_claims:
             pool = self._ledger_pool()
             if not all(pool.fits(dv, need) for dv in a.devices):
@@ -363,7 +450,9 @@ class World:
                 self.denied.add(a.child)
                 self.told_now += [ev.Denied(self.now, a.child), self._ledger()]
                 return
-        proc = Proc(a.child, a.kind, a.devices, need, a.test, a.members, deferred=a.deferred)
+        truth = self._truth(a.test, a.key)
+        proc = Proc(a.child, a.kind, a.devices, truth, a.test, a.members, deferred=a.deferred)
+        proc.claimed = need
         self.procs[a.child] = proc
         spec = self.specs.get(a.test)
         touched = ""
@@ -386,6 +475,7 @@ class World:
             # As the driver does: told in the feed that started it (its exit never
             # comes, so nothing else would tell it before the world drains).
             proc.exited = proc.released = True
+            proc.exit_at = proc.freed_at = self.now
             self.told_now.append(ev.StartFailed(self.now, a.child, "EMFILE"))
         elif fate == "boot-die" and a.kind is not Kind.EARLY:
             self._exit(proc, self.now + boot / 2, 1)
@@ -421,6 +511,8 @@ class World:
         spec = self.specs[a.test]
         proc.running = a.test
         proc.ran.append(a.test)
+        if a.devices:
+            proc.need = self._truth(a.test)
         start = self.went[a.test] = self.now
         end = start + spec.duration
         fate = spec.fate
@@ -428,7 +520,7 @@ class World:
         if fate == "crash":
             self._exit(proc, start + spec.duration / 2, -11)
             return
-        self.needs[a.test] = self.d.children[a.child].need if a.devices else ev.ALONE
+        self.needs[a.test] = proc.need if a.devices else ev.ALONE
         self.kinds[a.test] = proc.kind
         again = fate == "guess" and self.needs[a.test] is not ev.ALONE
         first = spec.needs_first
@@ -458,9 +550,12 @@ class World:
         proc.exited = True
         self._at(when, ev.Exited(when, proc.child, code))
         spec = self.specs.get(proc.running or proc.test)
-        release = min(spec.release if spec is not None else 0.0, self.settings.settle)
+        release = spec.release if spec is not None else 0.0
         proc.release_after = release  # its Released is told with its exit (_observe)
-        self._at(when + release, _Freed(when + release, proc.child))
+        proc.exit_at = when
+        proc.freed_at = when + min(release, self.settings.settle)
+        if not math.isinf(release):
+            self._at(when + release, _Freed(when + release, proc.child))
 
     def _dismiss(self, a: ev.Dismiss) -> None:
         if a.child in self.denied:
@@ -474,22 +569,29 @@ class World:
         if a.child in self.denied:
             return
         proc = self.procs[a.child]
-        self._drop_pending(proc)
+        when = self.now + 0.01
+        if proc.exit_at is not None and proc.exit_at <= when:
+            return  # it exits by itself first
         if proc.last_fate == "unkillable" and proc.ran:
+            if proc.defied_at is None:
+                proc.defied_at = self.now + self.settings.kill_grace
             return
-        self._exit(proc, self.now + 0.01, -9)
+        self._drop_pending(proc)
+        self._exit(proc, when, -9)
 
     def _drop_pending(self, proc: Proc) -> None:
+        """What the process would still have done: gone with it (a kill)."""
         keep = []
-        for when, seq, e in self.queue:
-            if isinstance(e, (ev.Done, ev.Booted)) and getattr(e, "child", None) == proc.child:
+        for at, seq, e in self.queue:
+            mine = getattr(e, "child", None) == proc.child
+            if mine and isinstance(e, (ev.Done, ev.Booted, ev.Exited, ev.Released, _Freed)):
                 continue
-            if isinstance(e, ev.Exited) and e.child == proc.child and not proc.exited:
-                continue
-            keep.append((when, seq, e))
+            keep.append((at, seq, e))
         self.queue = keep
         heapq.heapify(self.queue)
         proc.running = ""
+        proc.exited = False
+        proc.exit_at = proc.freed_at = None
 
     def _replay(self, a: ev.Replay) -> None:
         self._ended(a.test, "replay")
@@ -508,6 +610,8 @@ class World:
 
     def _again(self, a: ev.Again) -> None:
         self.agains.append(a.test)
+        if a.alone:  # its rerun runs with no budget
+            self.plan[a.test] = replace(self.plan[a.test], need=ev.ALONE)
         if a.order:
             self.in_order.append(a.test)
 
@@ -552,34 +656,39 @@ class World:
 
     # Safety --------------------------------------------------------------------------
 
+    def _holds(self, proc: Proc) -> bool:
+        """Whether ``proc`` holds its devices now, by the world's truth: from its start
+        until its memory is free (NVML's release, or ``settle`` after its exit at most),
+        given up by the dispatcher or not; not once it outlived a kill by ``kill_grace``
+        (the design gives an unkillable process up)."""
+        if not proc.devices:
+            return False
+        if proc.defied_at is not None and self.now >= proc.defied_at:
+            return False
+        return proc.freed_at is None or self.now < proc.freed_at
+
     def _check_safety(self) -> None:
-        gone = self._given_up()  # unkillable, given up with a warning
         jobs = self.settings.jobs
         running = [p.running for p in self.procs.values() if p.running and not p.exited]
         taken = sum(min(self.specs[t].test.slots, jobs) for t in running)
         if len(running) > 1 and taken > jobs:
             raise Unsafe(f"{running} run at once, taking {taken} job slots of {jobs}")
+        holding = [p for p in self.procs.values() if self._holds(p)]
         for device in self.settings.devices:
-            holders = [
-                p
-                for p in self.procs.values()
-                if device in p.devices and not p.released and p.child not in gone
-            ]
+            holders = [(f"child {p.child}", p.need) for p in holding if device in p.devices]
             holders += [
-                Proc(-1 - i, Kind.SPAWN, (dv,), need, "", ())
-                for i, (dv, need) in self.peer_claims.items()
-                if dv == device
+                (f"peer {i}", need) for i, (dv, need) in self.peer_claims.items() if dv == device
             ]
-            alone = [p for p in holders if p.need is None]
+            alone = [who for who, need in holders if need is None]
             if alone and len(holders) > 1:
-                raise Unsafe(f"gpu {device}: alone with others: {[p.child for p in holders]}")
+                raise Unsafe(f"gpu {device}: {alone} alone with others: {holders}")
             if len(holders) > self.settings.per_gpu:
                 raise Unsafe(f"gpu {device}: {len(holders)} processes, cap {self.settings.per_gpu}")
             capacity = self.capacity[device]
             if capacity is not None and len(holders) > 1:
-                used = sum((p.need or 0) + self.settings.reserve for p in holders)
+                used = sum((need or 0) + self.settings.reserve for _, need in holders)
                 if used > capacity:
-                    raise Unsafe(f"gpu {device}: {used} bytes claimed of {capacity}")
+                    raise Unsafe(f"gpu {device}: {used} bytes held of {capacity}: {holders}")
 
 
 @dataclass(frozen=True)
@@ -599,8 +708,3 @@ class _PeerTakes(ev.Event):
 @dataclass(frozen=True)
 class _PeerLeaves(ev.Event):
     peer: int
-
-
-@dataclass(frozen=True)
-class _Poll(ev.Event):
-    """The world's own: the driver reads the ledger (a ``Peers`` follows)."""
