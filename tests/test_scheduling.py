@@ -9,16 +9,25 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
+from patience import patient
 
-#: Long beside the children's boots, so that two at a time stays well below one at a time
-#: on a loaded 2-core machine (at 2.0 s a loaded run's span came to 7.6 s of 8).
+#: Long beside the children's boots, so that tests on one device at once would overlap.
 DURATION = 3.0
 
 SUITE = f"""
-import json, os, time
+import glob, json, os, time
 import pytest
 
-def record(name):
+def record(name, meet=False):
+    if meet:
+        # The first two one-GPU tests wait for each other: two at a time is shown by
+        # their meeting, whatever a loaded machine's boots and xdist's workers took to
+        # get here (a span of a few durations was not: issue 47).
+        open(f"started-{{name}}", "w").close()
+        deadline = time.monotonic() + {patient(6.0)}
+        while len(glob.glob("started-*")) < 2:
+            assert time.monotonic() < deadline, "no other test ran beside this one"
+            time.sleep(0.02)
     start = time.time()
     devices = os.environ.get("CUDA_VISIBLE_DEVICES")
     time.sleep({DURATION})
@@ -31,7 +40,7 @@ def record(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("i", range(4))
 def test_one_gpu(i):
-    record(f"one{{i}}")
+    record(f"one{{i}}", meet=True)
 
 @pytest.mark.gpu(count=2)
 def test_two_gpus():
@@ -71,18 +80,16 @@ def test_tests_share_the_declared_gpus(pytester, xdist):
         if a["start"] < b["end"] and b["start"] < a["end"]:
             shared = set(a["devices"].split(",")) & set(b["devices"].split(","))
             assert not shared, (a, b, result.stdout.str())
+    # They ran two at a time: the first two met (one at a time, the first would have
+    # waited alone and failed), and their records say so. How many more pairs met, and
+    # the span of all four, depend on the boots' and xdist workers' timing on a loaded
+    # machine (issue 47: 10.6 s of the 11.25 s a span was allowed, at a load of 10).
     overlapping = sum(
         1
         for a, b in itertools.combinations(ones, 2)
         if a["start"] < b["end"] and b["start"] < a["end"]
     )
-    # They really ran two at a time (how many pairs met depends on the boots' timing on
-    # a loaded machine; the span below rules out one at a time).
-    assert overlapping >= 1
-    # Four tests of DURATION on two GPUs: about two durations (plus boots on a loaded
-    # 2-core machine), never the four that one at a time would take.
-    span = max(r["end"] for r in ones) - min(r["start"] for r in ones)
-    assert span < 3.75 * DURATION, span
+    assert overlapping >= 1, ones
 
 
 def test_gpu_tests_skip_cleanly_without_gpus(pytester, monkeypatch):
