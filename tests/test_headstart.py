@@ -101,12 +101,13 @@ def test_the_template_imports_what_the_conftest_imports_meanwhile(
         f"STARTED, WHILE = {started!r}, {patient(2.0)}\n"
         + textwrap.dedent(
             """
-            import os, time
+            import os, pathlib, time
             import slowlib
             import spawnrun
             if not spawnrun.is_child():
                 end = time.time() + WHILE
-                while time.time() < end and open(STARTED).read().split() == [str(os.getpid())]:
+                me = [str(os.getpid())]
+                while time.time() < end and pathlib.Path(STARTED).read_text().split() == me:
                     time.sleep(0.02)
                 with open("parent.json", "w") as f:
                     f.write(f"[{os.getpid()}, {time.time()}]")
