@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from patience import patient
 
 from spawnrun.driver import _early
 
@@ -178,7 +179,8 @@ def test_a_child_started_for_a_file_whose_test_joins_a_group_elsewhere_is_ended(
     # test needs: the child's guess is then right but for the group.
     pytester.makepyfile(test_g1=GROUP_FIRST, test_g2=GROUP_SECOND)
     for _ in range(3):
-        result = pytester.runpytest_subprocess("--spawn-jobs", "1", timeout=30)
+        # A hang waits forever; a run takes a few seconds (many more on a loaded machine).
+        result = pytester.runpytest_subprocess("--spawn-jobs", "1", timeout=patient(6.0))
         result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines(["1 child started while collecting (0 used)"])
 

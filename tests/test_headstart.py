@@ -19,10 +19,13 @@ import textwrap
 import time
 
 import pytest
+from patience import patient
 
 SLOWLIB = """
 import os, time
 START = time.time()
+with open({stamps!r} + ".started", "a") as f:
+    f.write(f"{{os.getpid()}}\\n")
 MODE = os.environ.get("SLOWLIB_MODE", {mode!r})
 time.sleep(0.5)
 with open({stamps!r}, "a") as f:
@@ -67,6 +70,7 @@ def _run(pytester: pytest.Pytester, *args: str) -> list[list[object]]:
 def _imports(pytester: pytest.Pytester) -> list[tuple[int, float, float]]:
     rows = (pytester.path / "imports.txt").read_text().split("\n")
     (pytester.path / "imports.txt").unlink()
+    (pytester.path / "imports.txt.started").unlink(missing_ok=True)
     return [(int(p), float(s), float(e)) for p, s, e in (r.split() for r in rows if r)]
 
 
@@ -89,14 +93,22 @@ def test_the_template_imports_what_the_conftest_imports_meanwhile(
         monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
     folder = pytester.path / where
     folder.mkdir(exist_ok=True)
+    # The parent's conftest goes on importing a while: until the template imports slowlib
+    # too, or for long (a fixed 2 s, as before, ended first when a loaded machine's
+    # template had not started by then; issue 47).
+    started = str(pytester.path / "imports.txt.started")
     (folder / "conftest.py").write_text(
-        textwrap.dedent(
+        f"STARTED, WHILE = {started!r}, {patient(2.0)}\n"
+        + textwrap.dedent(
             """
-            import os, time
+            import os, pathlib, time
             import slowlib
             import spawnrun
-            if not spawnrun.is_child():  # the parent's conftest goes on importing a while
-                time.sleep(2)
+            if not spawnrun.is_child():
+                end = time.time() + WHILE
+                me = [str(os.getpid())]
+                while time.time() < end and pathlib.Path(STARTED).read_text().split() == me:
+                    time.sleep(0.02)
                 with open("parent.json", "w") as f:
                     f.write(f"[{os.getpid()}, {time.time()}]")
             """

@@ -9,16 +9,25 @@ from pathlib import Path
 from xml.etree import ElementTree
 
 import pytest
+from patience import patient
 
-#: Long beside the children's boots, so that two at a time stays well below one at a time
-#: on a loaded 2-core machine (at 2.0 s a loaded run's span came to 7.6 s of 8).
+#: Long beside the children's boots, so that tests on one device at once would overlap.
 DURATION = 3.0
 
 SUITE = f"""
-import json, os, time
+import glob, json, os, time
 import pytest
 
-def record(name):
+def record(name, meet=False):
+    if meet and os.environ.get("SCHED_MEET"):
+        # The first two one-GPU tests wait for each other: two at a time is shown by
+        # their meeting, whatever a loaded machine's boots took (a span of a few
+        # durations was not: issue 47).
+        open(f"started-{{name}}", "w").close()
+        deadline = time.monotonic() + {patient(6.0)}
+        while len(glob.glob("started-*")) < 2:
+            assert time.monotonic() < deadline, "no other test ran beside this one"
+            time.sleep(0.02)
     start = time.time()
     devices = os.environ.get("CUDA_VISIBLE_DEVICES")
     time.sleep({DURATION})
@@ -31,7 +40,7 @@ def record(name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("i", range(4))
 def test_one_gpu(i):
-    record(f"one{{i}}")
+    record(f"one{{i}}", meet=True)
 
 @pytest.mark.gpu(count=2)
 def test_two_gpus():
@@ -53,8 +62,12 @@ def _records(path):
 
 
 @pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["one-process", "xdist-n2"])
-def test_tests_share_the_declared_gpus(pytester, xdist):
+def test_tests_share_the_declared_gpus(pytester, monkeypatch, xdist):
     pytester.makepyfile(test_sched=SUITE)
+    if not xdist:
+        # Not under xdist: a worker runs one test at a time, and a child it booted ahead
+        # may hold the other GPU meanwhile, so its first two tests need not meet.
+        monkeypatch.setenv("SCHED_MEET", "1")
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "--spawn-gpus", "0,1", "-v", "-rs", *xdist
     )
@@ -71,18 +84,17 @@ def test_tests_share_the_declared_gpus(pytester, xdist):
         if a["start"] < b["end"] and b["start"] < a["end"]:
             shared = set(a["devices"].split(",")) & set(b["devices"].split(","))
             assert not shared, (a, b, result.stdout.str())
+    # They ran two at a time: in one process the first two met (one at a time, the first
+    # would have waited alone and failed); under xdist, tests of the two workers
+    # overlapped. How many pairs met, and the span of all four, depend on the boots' and
+    # the workers' timing on a loaded machine (issue 47: at a load of 10 the xdist span
+    # came to 10.6 s of the 11.25 s it was allowed, the second worker 3.9 s late).
     overlapping = sum(
         1
         for a, b in itertools.combinations(ones, 2)
         if a["start"] < b["end"] and b["start"] < a["end"]
     )
-    # They really ran two at a time (how many pairs met depends on the boots' timing on
-    # a loaded machine; the span below rules out one at a time).
-    assert overlapping >= 1
-    # Four tests of DURATION on two GPUs: about two durations (plus boots on a loaded
-    # 2-core machine), never the four that one at a time would take.
-    span = max(r["end"] for r in ones) - min(r["start"] for r in ones)
-    assert span < 3.75 * DURATION, span
+    assert overlapping >= 1, ones
 
 
 def test_gpu_tests_skip_cleanly_without_gpus(pytester, monkeypatch):
