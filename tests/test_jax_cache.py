@@ -6,8 +6,11 @@ before the child started (a conftest a template loaded) or by the test."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
+
+from spawnrun.launch import _starting
 
 STANDIN = """
 class _Config:
@@ -83,4 +86,41 @@ def test_a_bad_jax_cache_value_is_a_usage_error(pytester):
     pytester.makepyfile(test_jax=SUITE)
     result = pytester.runpytest_subprocess("--spawn-jax-cache", "always")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--spawn-jax-cache: expected run or off, got 'always'*"])
+    result.stderr.fnmatch_lines(["*--spawn-jax-cache: expected auto, run or off, got 'always'*"])
+
+
+KEEPS = """
+import os, pytest
+
+@pytest.mark.gpu(count=0)
+def test_compiles():
+    import jax
+    directory = jax.config.jax_compilation_cache_dir
+    with open("seen.txt", "a") as f:
+        f.write(directory + " " + " ".join(sorted(os.listdir(directory))) + "\\n")
+    open(os.path.join(directory, "entry-" + os.environ["RUN"]), "w").close()
+"""
+
+
+def test_with_pytests_cache_the_compilations_are_kept_for_the_next_run(pytester, monkeypatch):
+    pytester.mkpydir("jax").joinpath("__init__.py").write_text(STANDIN)
+    pytester.makepyfile(test_keeps=KEEPS)
+    for run in ("1", "2"):
+        monkeypatch.setenv("RUN", run)
+        result = pytester.runpytest_subprocess("--spawn-method", "forkserver")
+        result.assert_outcomes(passed=1)
+    first, second = (pytester.path / "seen.txt").read_text().splitlines()
+    kept = str(pytester.path / ".pytest_cache" / "d" / "spawnrun-jax-cache")
+    assert first == f"{kept} ", first
+    assert second == f"{kept} entry-1", second  # what the first run compiled
+
+
+def test_a_kept_cache_past_its_limit_loses_its_oldest_entries(tmp_path):
+    for age, name in enumerate(["old", "older", "newer", "new"][::-1]):
+        path = tmp_path / name
+        path.write_bytes(b"x" * 400)
+        os.utime(path, (1000 - age, 1000 - age))
+    _starting.prune(tmp_path, 2000)  # 1600 bytes: under the limit, nothing goes
+    assert len(list(tmp_path.iterdir())) == 4
+    _starting.prune(tmp_path, 1000)  # over it: the oldest go until half of it is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]

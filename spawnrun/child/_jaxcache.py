@@ -3,8 +3,9 @@
 Runs in children only. A function jit-compiled in one test's process is compiled again
 in the next one's: plain pytest compiles it once per session, and on a GPU the compile
 (with its autotuning) costs a test's process more than JAX's start. The parent names a
-directory of the run's own in ``SPAWNRUN_JAX_CACHE_DIR`` where the run's environment
-names no cache of JAX's (``JAX_COMPILATION_CACHE_DIR``); the child points JAX's cache
+directory (in pytest's cache, or the run's own: ``_starting._jax_cache``) in
+``SPAWNRUN_JAX_CACHE_DIR`` where the run's environment names no cache of JAX's
+(``JAX_COMPILATION_CACHE_DIR``); the child points JAX's cache
 there, with no minimum compile time unless the environment sets one, as JAX is imported
 (at once where a template imported it before the fork), before any function is compiled.
 JAX's cache is keyed by the program, the compile options, the versions and the devices:

@@ -240,6 +240,6 @@ def parse_pycache(value: object, source: str) -> str:
 
 def parse_jax_cache(value: object, source: str) -> str:
     text = str(value).strip().lower()
-    if text not in ("run", "off"):
-        raise pytest.UsageError(f"{source}: expected run or off, got {value!r}")
+    if text not in ("auto", "run", "off"):
+        raise pytest.UsageError(f"{source}: expected auto, run or off, got {value!r}")
     return text

@@ -130,7 +130,7 @@ class Settings:
     poison: tuple[str, ...] = ()
     scope_memory: int | None = None
     explain: bool = False
-    jax_cache: str = "run"
+    jax_cache: str = "auto"
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""
     #: Whether ``@pytest.mark.forked`` spawns (pytest-forked is not there to own it).

@@ -369,13 +369,14 @@ SETTINGS: tuple[Setting, ...] = (
         ini="spawn_jax_cache",
         env="SPAWNRUN_JAX_CACHE",
         marker_kwarg=None,
-        default="run",
+        default="auto",
         parse=_parse.parse_jax_cache,
-        help="Whether a run's children share JAX's persistent compilation cache, in a "
-        "directory of the run's own (run: a function one test compiled is loaded, not "
-        "compiled again, in the next test's process; not where JAX_COMPILATION_CACHE_DIR "
-        "is set) or each compiles for itself (off)",
-        metavar="run|off",
+        help="Where children share JAX's persistent compilation cache, so a function one "
+        "test compiled is loaded, not compiled again, in the next test's process (not "
+        "where JAX_COMPILATION_CACHE_DIR is set): auto, in pytest's cache, kept for the "
+        "next run (where the cache provider is off: as run); run, in a directory of the "
+        "run's own; off, each child compiles for itself",
+        metavar="auto|run|off",
         title="JAX compilations shared by a run's children",
     ),
 )

@@ -116,24 +116,59 @@ def child_env(
     return env
 
 
+#: Where JAX's compilation cache is kept in pytest's cache (``--spawn-jax-cache auto``).
+JAX_KEPT = "spawnrun-jax-cache"
+#: The most that cache holds at a run's start: past it, the least recently written
+#: entries go until half is left (JAX's own limit is off by default).
+JAX_KEPT_LIMIT = 1 << 30
 #: The run's directory for JAX's compilation cache ("": none), made once.
 _JAX_CACHE_KEY = pytest.StashKey[str]()
 
 
 def _jax_cache(config: pytest.Config, mode: str) -> str:
-    """Where the run's children share JAX's compilation cache: in the run's own
-    directory, where JAX is installed, ``mode`` is run and the environment names no
-    cache of JAX's ("" otherwise)."""
+    """Where the run's children share JAX's compilation cache, where JAX is installed
+    and the environment names no cache of JAX's ("" otherwise, or ``mode`` off).
+
+    auto: in pytest's cache, kept for the next run, where it is a directory of this
+    user's that nobody else may write (compiled programs are code the devices run, as
+    bytecode is: ``pycache_dir``); else, and with run, in the run's own directory.
+    """
     known = config.stash.get(_JAX_CACHE_KEY, None)
     if known is not None:
         return known
     path = ""
-    if mode == "run" and not os.environ.get(JAX_DIR_ENV) and _has_jax():
-        directory = _run_directory(config) / "jax-cache"
-        directory.mkdir(parents=True, exist_ok=True)
+    if mode != "off" and not os.environ.get(JAX_DIR_ENV) and _has_jax():
+        cache = getattr(config, "cache", None)
+        kept, problem = cached_pycache(cache, JAX_KEPT) if mode == "auto" and cache else (None, "")
+        if kept is not None and not problem:
+            directory = kept
+            prune(directory, JAX_KEPT_LIMIT)
+        else:
+            directory = _run_directory(config) / "jax-cache"
+            directory.mkdir(parents=True, exist_ok=True)
         path = str(directory)
     config.stash[_JAX_CACHE_KEY] = path
     return path
+
+
+def prune(directory: Path, limit: int) -> None:
+    """Remove the oldest files of ``directory`` (by when they were written) until they
+    take half of ``limit``, where they take more than ``limit``; never raises."""
+    try:
+        files = [(s.st_mtime, s.st_size, p) for p in directory.iterdir() for s in [p.stat()]]
+    except OSError:
+        return
+    total = sum(size for _, size, _ in files)
+    if total <= limit:
+        return
+    for _, size, path in sorted(files, key=lambda f: f[0]):
+        if total <= limit // 2:
+            break
+        try:
+            path.unlink()
+            total -= size
+        except OSError:
+            continue
 
 
 def _has_jax() -> bool:
@@ -307,11 +342,12 @@ def start(
     return _runner.ChildProcess(spec, env=env)
 
 
-def cached_pycache(cache: Any) -> tuple[Path | None, str]:
-    """The bytecode directory in pytest's ``cache``, and what makes it unsafe ("": it is
-    a real directory of this user that nobody else may write; None: none could be made)."""
+def cached_pycache(cache: Any, name: str = "spawnrun-pycache") -> tuple[Path | None, str]:
+    """The bytecode directory (or another of ``name``) in pytest's ``cache``, and what
+    makes it unsafe ("": it is a real directory of this user that nobody else may write;
+    None: none could be made)."""
     try:
-        directory = cache.mkdir("spawnrun-pycache")
+        directory = cache.mkdir(name)
     except OSError:
         return None, ""
     return directory, _ledger.not_private(directory)
