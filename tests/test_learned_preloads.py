@@ -183,3 +183,24 @@ def test_a_module_no_import_statement_can_name_is_not_learned(pytester):
     config = pytester.parseconfig()
     _learned.saw_imports(config, ["numpy", "_sysconfigdata__x86_64-linux-gnu", "a.b"])
     assert list(config.stash[_learned.IMPORTED_KEY]) == ["numpy", "a.b"]
+
+
+def test_a_module_imported_by_a_name_with_hyphens_never_makes_a_run_warn(pytester):
+    """What a run's template imported is kept for the next head start; sysconfig's
+    data module (``_sysconfigdata__linux_x86_64-linux-gnu``) was kept too, and the next
+    run refused it with a warning (an error under ``-W error``), every other run."""
+    pytester.makepyfile(
+        test_conf="""
+        import sysconfig
+        sysconfig.get_config_vars()  # imports its data module by name
+
+        def test_x():
+            pass
+        """
+    )
+    for _ in range(3):
+        result = pytester.runpytest_subprocess(
+            "-W", "error", "--spawn-gpu", "--spawn-method", "forkserver"
+        )
+        result.assert_outcomes(passed=1)
+        result.stdout.no_fnmatch_line("*not a module name*")

@@ -252,6 +252,7 @@ def remember(config: pytest.Config, holder: _forkserver.ZygoteHolder) -> None:
         m
         for m in holder.optional
         if m not in failed
+        and _learned.is_module_name(m)  # sysconfig's data module has hyphens
         and m.partition(".")[0] not in holder.excluded
         and (m not in sys.modules or is_library(sys.modules[m], rootdir))
     ][: _learned.MAX_PRELOADS]
