@@ -281,3 +281,53 @@ def test_a_jax_test_learns_what_it_used_not_what_jax_preallocated(pytester, monk
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "XLA_PYTHON_CLIENT_MEM_FRACTION": f"{2816 * 2**20 / (80 * GiB):.4f}",
     }
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_what_a_test_left_running_is_named_when_the_parent_reads_done_late(pytester, method):
+    """A loaded parent may take a while between reading a child's "done" and handing the
+    child on, while the child says what it left running and exits: that last word was in
+    the pipe, which was closed unread (the run ended green with no warning). Here the
+    parent is held up in that window, as a busy machine's scheduler may hold it."""
+    pytester.makeconftest(
+        """
+        import os, time
+
+        if os.environ.get("SPAWNRUN_CHILD") != "1":  # the parent only
+            from spawnrun.learn import _learned
+
+            _saw = _learned.saw_imports
+
+            def held_up(config, modules):
+                time.sleep(1.5)  # the child leaves meanwhile
+                return _saw(config, modules)
+
+            _learned.saw_imports = held_up
+        """
+    )
+    token = f"{pytester.path.name}-late-{method}"
+    pytester.makepyfile(
+        test_left=f"""
+        import subprocess, sys
+
+        def test_leaves_one():
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)  # {token}"])
+        """
+    )
+    try:
+        result = pytester.runpytest_subprocess(
+            "-p",
+            "no:cacheprovider",
+            "--spawn-gpu",
+            "--spawn-method",
+            method,
+            "-W",
+            "ignore::ResourceWarning",
+        )
+        result.assert_outcomes(passed=1, warnings=1)
+        result.stdout.fnmatch_lines(["*this test left 1 process(es) running*"])
+    finally:
+        left = _running(token)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == []

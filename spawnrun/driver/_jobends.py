@@ -65,8 +65,14 @@ class JobEnds(JobRecord):
                 self.replay.note_failure(_reports.REPLACED_TITLE, text)
         if child.gone or child.exitcode is not None:
             code = child.exitcode
+            # Gone already (a loaded parent reads "done" late): what it said after "done"
+            # (what it left running, its session's end) is still in the pipe.
+            last = [] if child.gone else child.messages()
             child.reaped()
             self._leave(_ending.Stage.REAPING)
+            if self.ending is not None:
+                for msg in last:
+                    self.ending.on_message(msg)
             if done and code and self.ending is not None:
                 self.ending.bad_exit = code  # gone already, with a status, after "done"
         elif handover and not self.replaced:
