@@ -1,9 +1,9 @@
 """JAX's compilations in a test's own process: each of the ``--spawn-jax-cache`` modes
 against plain pytest, side by side in one invocation.
 
-Builds a suite of ``--tests`` tests in a temporary folder, each jit-compiling the same
-``--functions`` functions (as a project's tests call its model's functions) and running
-them, and runs it plain (in one process: each function compiled once), then under
+Builds a suite of ``--tests`` tests in a temporary folder, each calling the same
+``--functions`` jitted functions of its module (as a project's tests call its model's
+functions), and runs it plain (in one process: each function compiled once), then under
 spawnrun fast mode with ``--spawn-gpu`` (every test in a fresh child) once per mode
 ``off``, ``run`` and ``auto``, ``--runs`` times each with pytest's cache kept (``auto``
 keeps the compilations there for the next run). Prints each run's wall time and its
@@ -27,16 +27,16 @@ SUITE = """
 import jax, jax.numpy as jnp
 import pytest
 
-def _functions():
-    return [
-        jax.jit(lambda a, k=k: jnp.tanh(a @ a.T + k).sum(axis=0) * jnp.cos(a).mean())
-        for k in range(NFUNCS)
-    ]
+# The module's functions, jitted once per process: in one process each compiles once.
+FUNCTIONS = [
+    jax.jit(lambda a, k=k: jnp.tanh(a @ a.T + k).sum(axis=0) * jnp.cos(a).mean())
+    for k in range(NFUNCS)
+]
 
 @pytest.mark.parametrize("i", range(NTESTS))
 def test_model(i):
     x = jnp.ones((256, 256), dtype=jnp.float32) * (i + 1) / 100
-    for f in _functions():
+    for f in FUNCTIONS:
         f(x).block_until_ready()
 """
 
