@@ -99,6 +99,14 @@ def _running(marker: str) -> list[int]:
     return found
 
 
+def _kill_running(marker: str) -> list[int]:
+    """The processes still running with ``marker`` on their command line, killed."""
+    left = _running(marker)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
 @pytest.mark.parametrize("method", ["spawn", "forkserver"])
 def test_what_a_test_leaves_running_is_ended_and_named(pytester, method):
     """Nothing a test starts outlives its process, also not a grandchild that left for a
@@ -128,9 +136,7 @@ def test_what_a_test_leaves_running_is_ended_and_named(pytester, method):
         )
         result.stdout.fnmatch_lines(["*2 processes left behind were reaped*"])
     finally:
-        left = _running(token)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = _kill_running(token)
     assert left == []
 
 
@@ -327,7 +333,5 @@ def test_what_a_test_left_running_is_named_when_the_parent_reads_done_late(pytes
         result.assert_outcomes(passed=1, warnings=1)
         result.stdout.fnmatch_lines(["*this test left 1 process(es) running*"])
     finally:
-        left = _running(token)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        left = _kill_running(token)
     assert left == []
