@@ -808,3 +808,16 @@ def test_a_batch_is_performed_in_one_order_by_the_driver_and_the_simulator():
     dismissed = ev.Start(3, Kind.SPAWN, ("0",), test="c")
     batch_ = [ahead, going, dismissed, ev.Go(2, "b"), ev.Dismiss(3)]
     assert batch.performed(batch_) == [going, dismissed, ev.Go(2, "b"), ev.Dismiss(3), ahead]
+
+
+def test_a_process_given_up_after_a_kill_holds_no_job_slot():
+    """A timed-out child that outlives its kill is given up (and reported), and the next
+    test starts: the world's job-slot check counted it on, and called that unsafe (found
+    by the property suite beside CPU hogs)."""
+    settings = ev.Settings(jobs=1, per_gpu=1, exit_grace=2.0, kill_grace=1.0, settle=3.0)
+    specs = [
+        Spec(ev.Test("t0", need=None, timeout=1.5, key="f0", file="f0"), 3.0, 0.1, "unkillable"),
+        Spec(ev.Test("t1", need=None, key="f1", file="f1"), 0.0, 0.1, "linger"),
+    ]
+    result = World(settings, specs).run()
+    assert result.ends == {"t0": ["report:TIMEOUT"], "t1": ["replay"]}
