@@ -165,7 +165,7 @@ def start(config: pytest.Config) -> None:
     child_environ = {}
     if _bytecode.wanted(settings.pycache):
         if early.cache is not None:
-            directory, problem = _starting.cached_pycache(early.cache)
+            directory, problem = _starting.private_cache_dir(early.cache)
             if directory is None or problem:
                 return  # the session warns, and uses its own temporary directory
         else:

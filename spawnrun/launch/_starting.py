@@ -139,7 +139,9 @@ def _jax_cache(config: pytest.Config, mode: str) -> str:
     path = ""
     if mode != "off" and not os.environ.get(JAX_DIR_ENV) and _has_jax():
         cache = getattr(config, "cache", None)
-        kept, problem = cached_pycache(cache, JAX_KEPT) if mode == "auto" and cache else (None, "")
+        kept, problem = None, ""
+        if mode == "auto" and cache is not None:
+            kept, problem = private_cache_dir(cache, JAX_KEPT)
         if kept is not None and not problem:
             directory = kept
             prune(directory, JAX_KEPT_LIMIT)
@@ -342,10 +344,10 @@ def start(
     return _runner.ChildProcess(spec, env=env)
 
 
-def cached_pycache(cache: Any, name: str = "spawnrun-pycache") -> tuple[Path | None, str]:
-    """The bytecode directory (or another of ``name``) in pytest's ``cache``, and what
-    makes it unsafe ("": it is a real directory of this user that nobody else may write;
-    None: none could be made)."""
+def private_cache_dir(cache: Any, name: str = "spawnrun-pycache") -> tuple[Path | None, str]:
+    """The directory ``name`` in pytest's ``cache`` (children's bytecode by default, JAX's
+    compilations), and what makes it unsafe ("": it is a real directory of this user
+    that nobody else may write; None: none could be made)."""
     try:
         directory = cache.mkdir(name)
     except OSError:
@@ -363,7 +365,7 @@ def pycache_dir(config: pytest.Config) -> str:
     """
     cache = getattr(config, "cache", None)
     if cache is not None:
-        directory, problem = cached_pycache(cache)
+        directory, problem = private_cache_dir(cache)
         if directory is not None and not problem:
             return str(directory)
         if directory is not None:
