@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -162,13 +163,23 @@ def run(folder: Path, args: list[str], timeout: float, log: Path) -> dict[str, A
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *args]
     start = time.monotonic()
     with Sampler() as sampler:
+        # A session of its own, so that a run past its timeout is ended with everything it
+        # started: a child left running would sit on the GPU during the next row.
+        proc = subprocess.Popen(
+            cmd,
+            cwd=folder,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
         try:
-            done = subprocess.run(
-                cmd, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout
-            )
-            out, rc = done.stdout + done.stderr, done.returncode
-        except subprocess.TimeoutExpired as exc:
-            out = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else ""
+            out, _ = proc.communicate(timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
             rc = -1
     wall = time.monotonic() - start
     log.write_text(out)
