@@ -28,14 +28,14 @@ import argparse
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from speed import run_session
 
 GiB = 2**30
 RESERVE = 1 * GiB
@@ -163,24 +163,8 @@ def run(folder: Path, args: list[str], timeout: float, log: Path) -> dict[str, A
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *args]
     start = time.monotonic()
     with Sampler() as sampler:
-        # A session of its own, so that a run past its timeout is ended with everything it
-        # started: a child left running would sit on the GPU during the next row.
-        proc = subprocess.Popen(
-            cmd,
-            cwd=folder,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            rc = -1
+        stdout, stderr, code, timed_out = run_session(cmd, cwd=folder, env=env, timeout=timeout)
+        out, rc = stdout + stderr, -1 if timed_out else code
     wall = time.monotonic() - start
     log.write_text(out)
     counts = (

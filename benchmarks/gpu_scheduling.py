@@ -38,7 +38,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ from dataclasses import field
 from pathlib import Path
 from typing import Any
 
+from speed import run_session
 from speed import script_parser
 
 BUSY_TESTS = 8
@@ -234,24 +234,9 @@ def run(
         if not mixed:
             cmd += ["-k", "busy"]
         start = time.monotonic()
-        proc = subprocess.Popen(
-            cmd,
-            cwd=folder,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)  # spawnrun ends its children
-            try:
-                out, _ = proc.communicate(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, _ = proc.communicate()
+        stdout, stderr, _, timed_out = run_session(cmd, cwd=folder, env=env, timeout=timeout)
+        out = stdout + stderr
+        if timed_out:
             out += f"\nTIMED OUT after {timeout:.0f}s"
         wall = time.monotonic() - start
         if logs is not None:

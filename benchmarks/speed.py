@@ -338,6 +338,46 @@ class Outcome:
     last_lines: str = ""
 
 
+def run_session(
+    cmd: list[str],
+    *,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float,
+    grace: float = 15.0,
+) -> tuple[str, str, int, bool]:
+    """``cmd`` in a session of its own: its stdout, stderr, return code and whether it
+    ran past ``timeout``. Past it, SIGTERM (spawnrun ends its children), then after
+    ``grace`` SIGKILL to the whole session, so that no process of this run is left
+    running beside the next one (a GPU test's child would hold the device)."""
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=env,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return stdout, stderr, proc.returncode, False
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=grace)
+        except subprocess.TimeoutExpired:
+            stdout, stderr = "", ""
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # whatever the session still runs
+        except ProcessLookupError:
+            pass
+        if proc.returncode is None:
+            more_out, more_err = proc.communicate()
+            stdout, stderr = stdout + more_out, stderr + more_err
+        return stdout, stderr, proc.returncode, True
+
+
 def run(
     folder: Path,
     args: list[str],
@@ -351,27 +391,7 @@ def run(
     nocache = [] if cache else ["-p", "no:cacheprovider"]
     cmd = [sys.executable, "-m", "pytest", "-q", *nocache, str(folder), *args]
     start = time.perf_counter()
-    # Own session: on a timeout, SIGTERM lets spawnrun end its children, then SIGKILL.
-    proc = subprocess.Popen(
-        cmd,
-        cwd=folder,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        env=env,
-    )
-    timed_out = False
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        proc.send_signal(signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
+    stdout, stderr, returncode, timed_out = run_session(cmd, cwd=folder, env=env, timeout=timeout)
     wall = time.perf_counter() - start
     if log is not None:
         log.write_text(f"$ {' '.join(cmd)}\n# wall {wall:.2f}s\n{stdout}\n--- stderr\n{stderr}")
@@ -381,7 +401,7 @@ def run(
         tail = f"TIMED OUT after {timeout:.0f}s: {tail}"
     last = "\n".join([*stdout.strip().splitlines()[-12:], *stderr.strip().splitlines()[-8:]])
     passed = _count(r"(\d+) passed", tail)
-    return Outcome(wall, tail, passed, _failures(tail), timed_out, proc.returncode, last)
+    return Outcome(wall, tail, passed, _failures(tail), timed_out, returncode, last)
 
 
 def _count(pattern: str, text: str) -> int:

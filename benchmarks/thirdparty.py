@@ -23,11 +23,12 @@ import json
 import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from speed import run_session
 
 
 def outcomes(xml: Path) -> dict[str, str]:
@@ -52,14 +53,10 @@ def run(root: Path, args: list[str], xml: Path, limit: float, log: Path | None, 
     # Which run this is, for a plugin given with --pytest-args that records per run.
     env = {**os.environ, "BENCH_RUN": label}
     start = time.monotonic()
-    try:
-        done = subprocess.run(
-            command, cwd=root, capture_output=True, text=True, timeout=limit, check=False, env=env
-        )
-        code, text = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
+    stdout, stderr, code, timed_out = run_session(command, cwd=root, env=env, timeout=limit)
+    text = stdout + stderr
+    if timed_out:
         code = -1
-        text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
     wall = time.monotonic() - start
     if log is not None:
         log.write_text(text)
