@@ -821,3 +821,23 @@ def test_a_process_given_up_after_a_kill_holds_no_job_slot():
     ]
     result = World(settings, specs).run()
     assert result.ends == {"t0": ["report:TIMEOUT"], "t1": ["replay"]}
+
+
+def test_a_killed_process_holds_no_job_slot_while_it_dies():
+    """A timed-out test's child is sent SIGKILL and its test reported: from then on it
+    runs none of the test's code, so the next test may take its job slot (its devices
+    stay held until it has exited or is given up). The world's job-slot check counted
+    a killed process that had not yet died, and called that unsafe (found by the
+    property suite beside CPU hogs)."""
+    gib = 2**30
+    settings = ev.Settings(
+        devices=("0",), capacity=(("0", 16 * gib),), jobs=2, per_gpu=2, kill_grace=1.0
+    )
+    specs = [
+        Spec(ev.Test("t0", need=2 * gib, timeout=1.5, key="f0", file="f0"), 3.0, 0.1, "unkillable"),
+        # A scope's child stays after its first test: it holds its slots until its last.
+        Spec(ev.Test("t1", need=2 * gib, slots=2, scope="a", key="fa", file="fa"), 1.0, 0.1),
+        Spec(ev.Test("t2", need=2 * gib, slots=2, scope="a", key="fa", file="fa"), 1.0, 0.1),
+    ]
+    result = World(settings, specs).run()
+    assert result.ends == {"t0": ["report:TIMEOUT"], "t1": ["replay"], "t2": ["replay"]}

@@ -13,6 +13,9 @@ event to event. It keeps its own record of every process and checks, after every
   after its exit at most: past that the driver takes the memory as gone), whether or not
   the dispatcher still counts it; only a process that outlived its kill by
   ``kill_grace`` (unkillable) is left out, as the design gives it up;
+* the tests whose code runs at once take at most ``jobs`` job slots (each its
+  ``slots``); a process sent a kill runs none (SIGKILL), though it still holds its
+  devices as above;
 * actions respect the processes: a go only to a booted idle child, no action to one
   that has exited;
 * a scope's child runs its tests in the order they were submitted;
@@ -142,6 +145,9 @@ class Proc:
     freed_at: float | None = None
     #: It outlived a kill (unkillable): from then on the design gives it up.
     defied_at: float | None = None
+    #: It was sent a kill (SIGKILL): it runs none of its test's code from then on, so it
+    #: takes no job slot, though it holds its devices until it exits or is given up.
+    killed: bool = False
 
 
 @dataclass
@@ -573,6 +579,7 @@ class World:
         if proc.exit_at is not None and proc.exit_at <= when:
             return  # it exits by itself first
         if proc.last_fate == "unkillable" and proc.ran:
+            proc.killed = True
             if proc.defied_at is None:
                 proc.defied_at = self.now + self.settings.kill_grace
             return
@@ -669,12 +676,11 @@ class World:
 
     def _check_safety(self) -> None:
         jobs = self.settings.jobs
-        # A process that outlived a kill by ``kill_grace`` is given up here too (the
-        # design starts the next test beside it, and reports it): not a slot's holder.
+        # A process sent a kill runs none of its test's code (SIGKILL: the test is
+        # reported, and the next one may take its slot) even while it has not yet died:
+        # not a slot's holder. Its devices it holds until it exits or is given up.
         running = [
-            p.running
-            for p in self.procs.values()
-            if p.running and not p.exited and (p.defied_at is None or self.now < p.defied_at)
+            p.running for p in self.procs.values() if p.running and not p.exited and not p.killed
         ]
         taken = sum(min(self.specs[t].test.slots, jobs) for t in running)
         if len(running) > 1 and taken > jobs:
