@@ -143,11 +143,10 @@ class Proc:
     #: NVML's release, or ``settle`` after its exit at most); None: not yet known.
     exit_at: float | None = None
     freed_at: float | None = None
-    #: It outlived a kill (unkillable): from then on the design gives it up.
+    #: It was sent a kill and did not die (unkillable): from then it runs none of its
+    #: test's code, so it takes no job slot; it holds its devices until this time, when
+    #: the design gives it up.
     defied_at: float | None = None
-    #: It was sent a kill (SIGKILL): it runs none of its test's code from then on, so it
-    #: takes no job slot, though it holds its devices until it exits or is given up.
-    killed: bool = False
 
 
 @dataclass
@@ -579,7 +578,6 @@ class World:
         if proc.exit_at is not None and proc.exit_at <= when:
             return  # it exits by itself first
         if proc.last_fate == "unkillable" and proc.ran:
-            proc.killed = True
             if proc.defied_at is None:
                 proc.defied_at = self.now + self.settings.kill_grace
             return
@@ -680,7 +678,9 @@ class World:
         # reported, and the next one may take its slot) even while it has not yet died:
         # not a slot's holder. Its devices it holds until it exits or is given up.
         running = [
-            p.running for p in self.procs.values() if p.running and not p.exited and not p.killed
+            p.running
+            for p in self.procs.values()
+            if p.running and not p.exited and p.defied_at is None
         ]
         taken = sum(min(self.specs[t].test.slots, jobs) for t in running)
         if len(running) > 1 and taken > jobs:
