@@ -42,6 +42,7 @@ def _record(request, **seen):
         main=getattr(main, "__name__", None),
         main_file=bool(getattr(main, "__file__", None)),
     )
+    seen["process"] = _process()
     line = json.dumps(seen, sort_keys=True) + "\\n"
     fd = os.open(os.environ["ORACLE_OUT"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
@@ -49,6 +50,62 @@ def _record(request, **seen):
     finally:
         os.close(fd)
 """
+
+
+#: What a test records of its process, below pytest: plain pytest (without spawnrun) is
+#: the reference for these, in every mode, but for ``PROCESS_DIFFERENCES``.
+_PROCESS = """
+def _process():
+    import faulthandler, multiprocessing as mp, os, resource, signal, sys, threading
+    import warnings
+    seen = {"start_method": mp.get_start_method(allow_none=True)}
+    chosen = mp.context._default_context._actual_context
+    child = mp.Process(target=lambda: None)  # a closure: the default method's child
+    child.start()
+    child.join()
+    seen.update(
+        default_method=mp.get_start_method(),
+        process_name=mp.current_process().name,
+        has_parent=mp.parent_process() is not None,
+        closure_child=child.exitcode,
+    )
+    # The observer's own start is no choice of the suite's: the next test (in the
+    # same process, in plain pytest) finds the method as this one did.
+    mp.context._default_context._actual_context = chosen
+    mask = os.umask(0)
+    os.umask(mask)
+    seen["umask"] = mask
+    names = ("SIGINT", "SIGTERM", "SIGPIPE", "SIGCHLD", "SIGHUP", "SIGQUIT", "SIGUSR1",
+             "SIGUSR2", "SIGALRM", "SIGXFSZ")
+    seen["signals"] = {n: str(signal.getsignal(getattr(signal, n))) for n in names}
+    seen["blocked"] = sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))
+    seen["rlimits"] = {
+        n: resource.getrlimit(getattr(resource, n))
+        for n in ("RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_STACK", "RLIMIT_AS")
+    }
+    seen["flags"] = list(sys.flags)
+    seen["recursion"] = sys.getrecursionlimit()
+    seen["faulthandler"] = faulthandler.is_enabled()
+    seen["warnings"] = [f"{f[0]} {f[2].__name__}" for f in warnings.filters[:8]]
+    inheritable = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if int(name) > 2 and os.get_inheritable(int(name)):
+                inheritable.append(int(name))
+        except OSError:
+            pass
+    seen["inheritable_fds"] = sorted(inheritable)
+    seen["threads"] = threading.active_count()
+    seen["excepthook"] = sys.excepthook is sys.__excepthook__
+    return seen
+"""
+
+#: Process observations that differ from plain pytest by design (docs/guide: the table of
+#: what a child's process does not share with a fresh interpreter's).
+PROCESS_DIFFERENCES: frozenset[str] = frozenset()
+#: ... and those of a fork (fast mode) alone: threads a template started (a plugin's
+#: server thread at configure) are not in its forks, as ``os.fork`` keeps none.
+FORK_DIFFERENCES: frozenset[str] = frozenset({"threads"})
 
 
 def write(root: Path, site: Path, seed: int) -> dict[str, Any]:
@@ -109,6 +166,7 @@ def _test_file(rng: random.Random, shape: dict[str, Any]) -> str:
     if shape["lib_at_top"]:
         lines.append("import oraclelib")
     lines.append(_RECORD)
+    lines.append(_PROCESS)
     if shape["lib_in_body"]:
         lines += [
             "@pytest.fixture",

@@ -58,6 +58,7 @@ def test_fast_mode_observes_what_a_spawned_child_observes(
     monkeypatch.setenv("ORACLE_OUTER", "outer")
     monkeypatch.setenv("ORACLE_OUT", "")
     plain, _ = _run(pytester, out, "plain", "--no-spawn")
+    reference = _plain_process(pytester, out)
     outcomes = _outcomes(plain)
     assert outcomes.get("passed") and set(outcomes) == {"passed"}, shape
     fast = ("--spawn-method", "forkserver")
@@ -76,9 +77,73 @@ def test_fast_mode_observes_what_a_spawned_child_observes(
     assert len(seen["spawned"]) == outcomes["passed"], shape
     for name in ("fast, first run", "fast, second run"):
         differ = _differences(seen["spawned"], seen[name])
-        assert not differ, f"{name}: {shape}: {differ}"
+        assert not differ, f"{name}: {shape}: {_short(differ)}"
     differ = _differences(seen["spawned, module scope"], seen["fast, module scope"])
     assert not differ, f"module scope: {shape}: {differ}"
+    for name, observed in seen.items():
+        forked = name.startswith("fast")
+        differ = _process_differences(reference, observed, forked)
+        assert not differ, f"{name}, against plain pytest's process: {shape}: {_short(differ)}"
+
+
+def _forkless(seen: dict[str, object]) -> dict[str, object]:
+    """What a test saw, less what a fork may see otherwise by design."""
+    process = seen.get("process")
+    if not isinstance(process, dict):
+        return seen
+    kept = {k: v for k, v in process.items() if k not in faithful_suites.FORK_DIFFERENCES}
+    return {**seen, "process": kept}
+
+
+def _short(differ: dict[str, object]) -> dict[str, object]:
+    """Differences of the process observations, by key only where they differ."""
+    out: dict[str, object] = {}
+    for nodeid, seen in differ.items():
+        if isinstance(seen, dict) and "process" in seen:
+            before, after = seen["process"]
+            seen = {
+                **seen,
+                "process": {
+                    k: (before.get(k), after.get(k))
+                    for k in before
+                    if before.get(k) != after.get(k)
+                },
+            }
+        out[nodeid] = seen
+    return out
+
+
+def _plain_process(pytester: pytest.Pytester, out: Path) -> dict[str, object]:
+    """What plain pytest's process looks like to a test (spawnrun not loaded)."""
+    path = out / "plain_process.jsonl"
+    os.environ["ORACLE_OUT"] = str(path)
+    result = pytester.runpytest_subprocess("-p", "no:spawnrun", "-p", "no:randomly")
+    assert result.ret == 0, result.stdout.str()
+    first = next(iter(faithful_suites.observations(path).values()))
+    process = first["process"]
+    assert isinstance(process, dict)
+    return process
+
+
+def _process_differences(
+    reference: dict[str, object], observed: dict[str, dict[str, object]], forked: bool
+) -> dict[str, object]:
+    """Per node id, what a test saw of its process otherwise than plain pytest's test."""
+    out: dict[str, object] = {}
+    ignored = faithful_suites.PROCESS_DIFFERENCES
+    if forked:
+        ignored |= faithful_suites.FORK_DIFFERENCES
+    for nodeid, seen in sorted(observed.items()):
+        process = seen["process"]
+        assert isinstance(process, dict)
+        differ = {
+            k: (reference.get(k), process.get(k))
+            for k in sorted(reference.keys() | process.keys())
+            if k not in ignored and reference.get(k) != process.get(k)
+        }
+        if differ:
+            out[nodeid] = differ
+    return out
 
 
 def _differences(
@@ -90,11 +155,11 @@ def _differences(
         if nodeid not in spawned or nodeid not in fast:
             out[nodeid] = "recorded in one run only"
             continue
-        keys = spawned[nodeid].keys() | fast[nodeid].keys()
+        before, after = _forkless(spawned[nodeid]), _forkless(fast[nodeid])
         differ = {
-            k: (spawned[nodeid].get(k), fast[nodeid].get(k))
-            for k in sorted(keys)
-            if spawned[nodeid].get(k) != fast[nodeid].get(k)
+            k: (before.get(k), after.get(k))
+            for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k)
         }
         if differ:
             out[nodeid] = differ
@@ -360,3 +425,48 @@ def test_a_forked_test_that_fails_is_confirmed_in_a_spawned_child(
     result.stdout.fnmatch_lines(
         ["*test_fails: it failed in a fork of a template (failed forked, failed spawned)"]
     )
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [("--spawn-gpu",), ("--spawn-gpu", *FAST), ("--spawn-gpu", "--spawn-scope", "module", *FAST)],
+    ids=["spawned", "fast", "fast-module"],
+)
+def test_a_child_is_a_fresh_interpreter_to_multiprocessing_and_random(
+    pytester: pytest.Pytester, mode: tuple[str, ...]
+) -> None:
+    """Below pytest, a child is what ``python -m pytest`` is: a conftest may choose the
+    start method (the spawn had forced one: "context has already been set"); a test's
+    default-method child may run a closure (it failed to pickle); a conftest that
+    reseeds ``random`` from the system's entropy gives each fork draws of its own (every
+    fork drew the template's)."""
+    pytester.makeconftest(
+        "import multiprocessing, random\n"
+        "random.seed()\n"
+        "def pytest_configure(config):\n"
+        "    config.chose = multiprocessing.get_start_method(allow_none=True)\n"
+    )
+    pytester.makepyfile(
+        test_mp=(
+            "import multiprocessing, os, random, pytest\n"
+            "def test_nothing_chosen(pytestconfig):\n"
+            "    assert pytestconfig.chose is None\n"
+            "    assert multiprocessing.current_process().name == 'MainProcess'\n"
+            "    assert multiprocessing.parent_process() is None\n"
+            "def test_a_closure_in_a_default_child():\n"
+            "    queue = multiprocessing.Queue()\n"
+            "    child = multiprocessing.Process(target=lambda: queue.put(os.getpid()))\n"
+            "    child.start()\n"
+            "    assert queue.get(timeout=30) == child.pid\n"
+            "    child.join()\n"
+            "@pytest.mark.parametrize('i', range(4))\n"
+            "def test_draw(i):\n"
+            "    with open('draws.txt', 'a') as out:\n"
+            "        out.write(f'{random.random()}\\n')\n"
+        )
+    )
+    result = pytester.runpytest_subprocess(*mode, "-p", "no:randomly")
+    result.assert_outcomes(passed=6)
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    draws = (pytester.path / "draws.txt").read_text().split()
+    assert len(set(draws)) == 4, draws

@@ -7,11 +7,12 @@ a conftest that calls ``random.seed(...)`` in ``pytest_configure`` and test file
 draw ``parametrize`` values from it at import gave a fork other ids than the parent
 collected: a spawned child configures and collects itself, and draws the seeded values.
 
-Rule: where code seeded the stream in this process (``random.seed`` or
-``random.setstate`` since ``arm``), each fork we make starts from the exact state the
-template had when it forked; where nobody seeded it, the fork keeps CPython's fresh
-seed, as a fresh interpreter has its own (tests that pick ports or names with
-``random`` do not collide).
+Rule: where code seeded the stream in this process with a value (``random.seed(v)``
+or ``random.setstate`` since ``arm``, and no ``random.seed()`` from entropy since), each
+fork we make starts from the exact state the template had when it forked; where nobody
+seeded it, or the last seed came from entropy, the fork keeps CPython's fresh seed, as
+a fresh interpreter has its own (tests that pick ports or names with ``random`` do not
+collide).
 
 numpy's global generator and torch's default (CPU) one are not reseeded by ``os.fork``:
 a fork inherits them. A fresh interpreter seeds numpy's from the system's entropy as
@@ -65,7 +66,7 @@ def arm() -> None:
         return
     _wrapped = True
     for name in ("seed", "setstate"):
-        setattr(random, name, _noticing(getattr(random, name)))
+        setattr(random, name, _noticing(getattr(random, name), name))
     sys.meta_path.insert(0, _AfterImport())
     os.register_at_fork(before=_take, after_in_child=_restore, after_in_parent=_forget)
 
@@ -76,17 +77,25 @@ def disarm() -> None:
     _armed = False
 
 
-def _noticing(function: Any) -> Any:
+def _noticing(function: Any, name: str) -> Any:
     def noticed(*args: Any, **kwargs: Any) -> Any:
         global _seeded
         if _armed:
-            _seeded = True
+            # ``seed()`` or ``seed(None)`` draws from the system's entropy (a conftest's
+            # "re-randomize" idiom): nobody's choice, so each fork draws its own again.
+            _seeded = name == "setstate" or _chosen_seed(args, kwargs)
         return function(*args, **kwargs)
 
     noticed.__wrapped__ = function  # type: ignore[attr-defined]
     noticed.__doc__ = function.__doc__
     noticed.__name__ = function.__name__
     return noticed
+
+
+def _chosen_seed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a ``seed`` call names a value (not None: entropy)."""
+    value = args[0] if args else kwargs.get("a")
+    return value is not None
 
 
 def _take() -> None:

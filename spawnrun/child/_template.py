@@ -246,8 +246,9 @@ def _forked(relay: Any, item: Any, more: bool, serial: int, template: int, told:
     try:
         _probe.die_with_parent(template)
         # Its stacks are the test's: where the template's would go (it forwards the
-        # parent's request), not among the processes below the test.
-        faulthandler.register(_leave.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
+        # parent's request), not among the processes below the test. The template's
+        # forwarding handler is none of the test's (``signal.getsignal`` as spawned).
+        _dump_own_stacks(relay)
         relay.send(_replies.ForkedTest(os.getpid()))
         base = getattr(item.config.option, "basetemp", None)
         if base:

@@ -44,6 +44,7 @@ from spawnrun.child import _environ
 from spawnrun.child._budget import PER_TEST_ENV
 from spawnrun.child._forksafe import unsafe_state
 from spawnrun.child._leave import leave
+from spawnrun.proc import _fresh
 from spawnrun.proc import _probe
 from spawnrun.wire import _forking
 
@@ -343,7 +344,9 @@ class _Serving:
 
     def _hand_over(self, request: _forking.ForkRequest) -> None:
         """Give the request, and its pipe ends, to the spare; it is the test's child."""
-        handles = [reduction.recv_handle(self.conn) for _ in range(3 if request.live else 1)]
+        handles = [
+            _fresh.kept(reduction.recv_handle(self.conn)) for _ in range(3 if request.live else 1)
+        ]
         assert self.spare is not None
         pid, pipe = self.spare
         self.spare = None
@@ -374,8 +377,11 @@ class _Serving:
                 os.close(pidfd)
             try:
                 request = theirs.recv()
-                fd = reduction.recv_handle(theirs)
-                streams = [reduction.recv_handle(theirs) for _ in range(2 if request.live else 0)]
+                fd = _fresh.kept(reduction.recv_handle(theirs))
+                streams = [
+                    _fresh.kept(reduction.recv_handle(theirs))
+                    for _ in range(2 if request.live else 0)
+                ]
             except (EOFError, OSError):
                 os._exit(0)  # retired before a test came
             theirs.close()

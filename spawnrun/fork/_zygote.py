@@ -44,6 +44,7 @@ from spawnrun.child import _threadwatch
 from spawnrun.child._forksafe import unsafe_state
 from spawnrun.fork import _configured
 from spawnrun.fork import _importing
+from spawnrun.proc import _fresh
 from spawnrun.proc import _probe
 from spawnrun.wire import _forking
 
@@ -223,10 +224,10 @@ class _Template:
                 if not self.refusal:
                     self.pool.prime(request.request, lambda r: self._configure(r, []), request.wait)
             elif isinstance(request, _forking.ForkRequest):
-                fd = reduction.recv_handle(self.conn)
+                fd = _fresh.kept(reduction.recv_handle(self.conn))
                 # With -s the child writes where the parent does, not to our log.
                 count = 2 if request.live else 0
-                streams = [reduction.recv_handle(self.conn) for _ in range(count)]
+                streams = [_fresh.kept(reduction.recv_handle(self.conn)) for _ in range(count)]
                 self._fork(request, fd, streams)
 
     def _send_exits(self) -> None:

@@ -1,7 +1,7 @@
 """Compiled bytecode kept for children where the environment forbids writing it.
 
-Runs in both processes; imports nothing but the standard library (and ``_main``, which
-imports nothing else either), since a child runs it before anything else. Container
+Runs in both processes; imports nothing but the standard library (and ``_main`` and
+``_fresh``, which import nothing else either), since a child runs it before anything else. Container
 images commonly set ``PYTHONDONTWRITEBYTECODE=1`` over a site-packages that has no
 ``__pycache__``: a fresh interpreter then compiles the Python source of torch, pytest and
 every plugin again, in every child (on the H200 image ``import torch`` takes 4.3 s that
@@ -35,6 +35,7 @@ import sys
 from importlib.util import MAGIC_NUMBER
 from typing import Any
 
+from spawnrun.proc import _fresh
 from spawnrun.proc import _main
 
 #: The directory, in a child's environment (spawnrun's own, removed at the start).
@@ -57,6 +58,7 @@ def boot(payload: bytes, conn: Any, target: str, main: bytes = b"") -> None:
     imports pytest and spawnrun, happens here, after the switch. ``main``: the parent's
     ``__main__`` (``_main.describe``), in place before anything else is imported.
     """
+    _fresh.as_fresh()  # multiprocessing's marks of the spawn gone before any import
     _main.install(main)
     start()
     module, _, name = target.partition(":")

@@ -12,12 +12,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import multiprocessing
 import os
 import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
+
+from spawnrun.proc import _fresh
 
 #: prctl's option: the signal this process gets when its parent ends (Linux).
 _PR_SET_PDEATHSIG = 1
@@ -298,8 +299,7 @@ def die_with_parent(parent: int | None = None) -> None:
     pid 1 itself as a container's first process (``docker run image pytest``).
     """
     if parent is None:
-        started_by = multiprocessing.parent_process()
-        parent = started_by.pid if started_by is not None else None
+        parent = _fresh.spawned_by()
     if parent is None:
         parent = os.getppid()
     try:
