@@ -181,3 +181,50 @@ def test_a_test_that_ran_out_of_order_and_failed_runs_again_in_its_order(pyteste
     assert _outcome(result) == plain
     result.assert_outcomes(passed=3)
     result.stdout.fnmatch_lines([f"*1 test {OUT_OF_ORDER}*test_c_reads_what_b_wrote*"])
+
+
+STOPPING = """
+import time, pytest
+def test_a():
+    time.sleep(1.5)
+def test_b_stops():
+    time.sleep(0.5)
+    {stop}
+def test_c():
+    pass
+def test_d():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "stop", ["raise KeyboardInterrupt", "pytest.exit('stopped here')"], ids=["ctrl-c", "exit"]
+)
+@pytest.mark.parametrize(
+    "mode",
+    [
+        (),
+        ("--spawn-method", "forkserver"),
+        ("--spawn-method", "forkserver", "--spawn-scope", "module"),
+    ],
+    ids=["spawned", "fast", "fast-module"],
+)
+def test_a_test_that_stops_the_session_is_the_last_reported(pytester, monkeypatch, stop, mode):
+    """Issue 56: ``KeyboardInterrupt`` raised in a test, or ``pytest.exit()``, stops
+    in-process pytest there: the tests after it are never run or reported. Spawned, the
+    tests after it that ended first (beside the earlier ones) were reported PASSED, in the
+    terminal and in junitxml; now nothing after the stopping test is told."""
+    monkeypatch.setenv("SPAWNRUN_GPUS", "none")  # three at once: the later ones end first
+    pytester.makepyfile(test_stop=STOPPING.format(stop=stop))
+    plain = pytester.runpytest_subprocess("-p", "no:spawnrun", "--junitxml=plain.xml")
+    spawned = pytester.runpytest_subprocess(
+        "--spawn-gpu", "--spawn-jobs", "3", *mode, "--junitxml=spawned.xml"
+    )
+    spawned.stdout.no_fnmatch_line("*INTERNALERROR*")
+    assert spawned.ret == plain.ret
+    assert spawned.parseoutcomes().get("passed") == plain.parseoutcomes().get("passed") == 1
+    for name in ("plain.xml", "spawned.xml"):
+        cases = re.findall(
+            r'<testcase classname="test_stop" name="(\w+)"', (pytester.path / name).read_text()
+        )
+        assert cases == ["test_a"], name

@@ -83,10 +83,9 @@ class Dispatcher(Starts):
         return out
 
     def _tell(self) -> None:
-        """What ended, in order where it must be (``Settings.ordered``); then an
-        interrupt, once the tests pytest reached before its test have been told."""
-        if self.settings.ordered:
-            self.tell()
+        """What ended, in submission order; then an interrupt, once the tests pytest
+        reached before its test have been told."""
+        self.tell()
         if self.interrupting and not self.interrupt_told and not self.earlier_running():
             if self.interrupting not in self.held:
                 self.interrupt_told = True

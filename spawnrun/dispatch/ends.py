@@ -255,9 +255,10 @@ class Ends(Queries):
         for tid in [t for t in self.queue if t in later]:
             self.queue.remove(tid)
             self.end(self.tests[tid], ev.Drop(tid))
-        if self.settings.ordered:
+        if self.settings.ordered or self.stopped_after:
             # As in-process: pytest never reached them, so they report nothing (what
-            # ended already, waiting for its turn to be told, is dropped too).
+            # ended already, waiting for its turn to be told, is dropped too). After an
+            # interrupt of the parent (Ctrl-C, no test stopped it), what ended is told.
             report = False
             for tid in [t for t in self.held if t in later]:
                 self.held[tid] = ev.Drop(tid)

@@ -365,9 +365,11 @@ class Settings:
     nothing is backfilled); ``gather``: how many tests that need their devices alone may
     wait, passed over while their devices are busy, so that one drain serves them
     together (0: each drains its devices at its turn); ``ordered``: a failure may stop
-    the session (``-x``, ``--maxfail``, ``--stepwise``), so tests end to pytest in
-    submission order, and nothing is replayed after a failure in the same batch (the
-    driver tells ``Stop`` first, if it stopped the session).
+    the session (``-x``, ``--maxfail``, ``--stepwise``), so nothing is replayed after a
+    failure in the same batch (the driver tells ``Stop`` first, if it stopped the
+    session), and nothing after a failure starts until it is told. Tests end to pytest
+    in submission order whatever the settings: any test may stop the session
+    (``pytest.exit``, KeyboardInterrupt), and nothing after it may have been reported.
     """
 
     devices: tuple[str, ...] = ("0",)

@@ -136,8 +136,8 @@ class Run:
         self.stuck = 0
         self.lost = 0
         self._ids = 0
-        #: ``Settings.ordered``: ended tests whose replay, report or drop waits for the
-        #: tests submitted before them; how many submitted tests were told in order.
+        #: Ended tests whose replay, report or drop waits for the tests submitted before
+        #: them; how many submitted tests were told in order.
         self.held: dict[str, ev.Action] = {}
         self.told = 0
         #: A failure was told: nothing more is until the next batch of events (the
@@ -180,16 +180,14 @@ class Run:
         if entry.phase is Phase.ENDED:
             raise Illegal(f"{entry.test.id} ended twice ({entry.ended_by}, then {action})")
         entry.phase, entry.ended_by = Phase.ENDED, type(action).__name__
-        if self.settings.ordered:
-            self.held[entry.test.id] = action  # told in submission order (``tell``)
-        else:
-            self.emit(action)
+        self.held[entry.test.id] = action  # told in submission order (``tell``)
 
     def tell(self) -> None:
-        """``Settings.ordered``: what ended is told in submission order, as in-process
-        pytest would report it; nothing after a failure in the same batch (the driver
-        tells ``Stop`` before the next, if that failure stopped the session: then what
-        ended after it is dropped, never replayed)."""
+        """What ended is told in submission order, as in-process pytest would report it
+        (a test may stop the session: ``pytest.exit``, KeyboardInterrupt; what ended
+        after it is then dropped, never replayed). ``Settings.ordered``: nothing after a
+        failure in the same batch (the driver tells ``Stop`` before the next, if that
+        failure stopped the session)."""
         while self.told < len(self.submitted) and not self.paused:
             tid = self.submitted[self.told]
             entry = self.tests[tid]
@@ -200,7 +198,7 @@ class Run:
             if action is None:
                 continue
             self.emit(action)
-            self.paused = self._fails(tid, action)
+            self.paused = self.settings.ordered and self._fails(tid, action)
 
     def _fails(self, test: str, action: ev.Action) -> bool:
         """Whether telling ``action`` reports a failure (which may stop the session)."""

@@ -636,17 +636,16 @@ class World:
 
     def _check_told(self, test: str) -> None:
         """A report reaches pytest as in-process: never for a test after the one whose
-        report stopped the session, and (``Settings.ordered``) only once every test
-        pytest reached before it has ended."""
+        report stopped the session, and only once every test pytest reached before it
+        has ended (any test may stop the session: ``pytest.exit``)."""
         submitted = self.d.submitted
         if self.stopped and self.stop_after in submitted:
             if submitted.index(test) > submitted.index(self.stop_after):
                 raise Unsafe(f"{test} reported after {self.stop_after} stopped the session")
-        if self.settings.ordered:
-            earlier = submitted[: submitted.index(test)]
-            untold = [t for t in earlier if t not in self.ends]
-            if untold:
-                raise Unsafe(f"{test} reported before {untold}, which pytest reached first")
+        earlier = submitted[: submitted.index(test)]
+        untold = [t for t in earlier if t not in self.ends]
+        if untold:
+            raise Unsafe(f"{test} reported before {untold}, which pytest reached first")
 
     def _failed(self, test: str) -> None:
         self.failures += 1
