@@ -32,6 +32,7 @@ from spawnrun.driver import _collection
 from spawnrun.driver import _cudawatch
 from spawnrun.driver import _early
 from spawnrun.driver import _heap
+from spawnrun.driver import _reruns
 from spawnrun.driver import _session
 from spawnrun.driver import _terminal
 from spawnrun.launch import _headstart
@@ -272,6 +273,7 @@ def pytest_testnodedown(node: Any, error: Any) -> None:
 
 @pytest.hookimpl
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    _reruns.show_first_runs(terminalreporter, terminalreporter.config)
     _terminal.write_summary(terminalreporter)
 
 
@@ -322,6 +324,10 @@ def pytest_report_teststatus(
     report: pytest.TestReport, config: pytest.Config
 ) -> Generator[None, Any, Any]:
     result = yield
+    if report.outcome == "rerun":  # type: ignore[comparison-overlap]
+        # A first run kept where a test ran again (``_reruns``): pytest-rerunfailures'
+        # outcome and letter, which its own hook gives where it is installed.
+        result = ("rerun", "R", ("RERUN", {"yellow": True}))
     # With -v, a spawned test's own line names its devices: "PASSED [gpu 1]". Nowhere
     # else: the short summary keeps "FAILED <nodeid>" as tools parse it.
     properties = dict(getattr(report, "user_properties", ()) or ())

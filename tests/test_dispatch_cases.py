@@ -860,3 +860,20 @@ def test_a_killed_process_holds_no_job_slot_while_it_dies():
     ]
     result = World(settings, specs).run()
     assert result.ends == {"t0": ["report:TIMEOUT"], "t1": ["replay"], "t2": ["replay"]}
+
+
+def test_a_test_that_dies_in_a_fork_runs_again_spawned_once() -> None:
+    """Issue 56: a test that crashes (or hangs) only in a fork, standing in for a library
+    whose import-time state is not fork-safe, was reported as the fork's crash on every
+    run and never run spawned. A death in a fork is evidence against the fork: the test
+    runs again in a child of its own (with its own need), once; the template goes on
+    with the file's next test. A death there counts."""
+    scope = "scope f"
+    specs = [
+        Spec(ev.Test("dies", scope=scope, forked=True, file="f"), fate="crash"),
+        Spec(ev.Test("next", scope=scope, forked=True, file="f")),
+    ]
+    result = World(_settings(), specs).run()
+    again = [a for a in result.actions if isinstance(a, ev.Again)]
+    assert again == [ev.Again("dies", alone=False)]
+    assert result.ends == {"dies": ["report:CRASHED"], "next": ["replay"]}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import textwrap
 import time
 
@@ -177,13 +178,13 @@ def test_a_files_template_forks_each_test_fresh_and_a_death_ends_it(pytester, de
     pytester.makepyfile(test_t=TEMPLATE_SUITE.format(death=DEATHS[death]))
     result = _run_fast(pytester, "-v", "--spawn-jobs", "1")
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
-    rows = {
-        i: (pid, ppid, builds)
-        for i, pid, ppid, builds in map(
-            json.loads, (pytester.path / "seen.jsonl").read_text().splitlines()
-        )
-    }
+    seen = [json.loads(line) for line in (pytester.path / "seen.jsonl").read_text().splitlines()]
     pytest_pid = int((pytester.path / "parent.pid").read_text())
+    # A death in a fork is evidence against the fork (issue 56): that test ran again,
+    # once, in a spawned child of its own (pytest's), and died there too.
+    again = [i for i, _, ppid, _ in seen if ppid == pytest_pid]
+    assert again == ([] if death == "passes" else [1])
+    rows = {i: (pid, ppid, builds) for i, pid, ppid, builds in seen if ppid != pytest_pid}
     # A process of its own per test, the module's fixture built in each, none by pytest.
     assert len({pid for pid, _, _ in rows.values()}) == 4
     assert {builds for _, _, builds in rows.values()} == {1}
@@ -197,13 +198,25 @@ def test_a_files_template_forks_each_test_fresh_and_a_death_ends_it(pytester, de
         )
         return
     result.assert_outcomes(passed=3, failed=1)
+    assert result.parseoutcomes().get("rerun") == 1
     result.stdout.fnmatch_lines(["FAILED test_t.py::test_t[[]1[]]*"])
     # The fork's death ended its template; the next tests came from a fresh one.
     assert templates[0] == templates[1] != templates[2] == templates[3]
-    result.stdout.fnmatch_lines(["*4 tests isolated in 4 children (4 forked from 2 templates*"])
+    result.stdout.fnmatch_lines(["*4 tests isolated in 5 children (4 forked from 2 templates*"])
+    result.stdout.fnmatch_lines(
+        [
+            "*first runs of tests that ran again (spawnrun)*",
+            "*test_t.py::test_t[[]1[]] (first run, call)*",
+            f"ran again: it {'timed out' if death == 'timeout' else 'crashed'} in a fork*",
+        ]
+    )
     if death == "timeout":
-        # The stacks are the fork's, where the test sleeps, not its template's.
-        result.stdout.fnmatch_lines(["*test_t.py*line*in test_t*"])
+        # The stacks are the fork's, where the test sleeps, not its template's (in its
+        # first run's section), and its spawned child's.
+        stacks = [
+            line for line in result.stdout.lines if re.search(r"test_t.py.*line.*in test_t", line)
+        ]
+        assert len(stacks) >= 2, result.stdout.str()
 
 
 UNSAFE = {

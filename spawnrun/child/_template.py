@@ -238,6 +238,9 @@ def _spare(relay: Any, by_id: dict[str, Any], template: int, go_read: int, told:
 
 
 def _dump_own_stacks(relay: Any) -> None:
+    # Unregistered first: faulthandler installs its handler again only then, and
+    # ``signal.signal`` below replaced it at the system's level.
+    faulthandler.unregister(_leave.DUMP_SIGNAL)
     signal.signal(_leave.DUMP_SIGNAL, signal.SIG_DFL)
     faulthandler.register(_leave.DUMP_SIGNAL, file=relay.stacks, all_threads=True, chain=False)
 

@@ -238,6 +238,13 @@ def parse_pycache(value: object, source: str) -> str:
     return text
 
 
+def parse_confirm(value: object, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in ("rerun", "strict"):
+        raise pytest.UsageError(f"{source}: expected rerun or strict, got {value!r}")
+    return text
+
+
 def parse_jax_cache(value: object, source: str) -> str:
     text = str(value).strip().lower()
     if text not in ("auto", "run", "off"):

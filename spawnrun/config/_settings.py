@@ -131,6 +131,7 @@ class Settings:
     scope_memory: int | None = None
     explain: bool = False
     jax_cache: str = "auto"
+    confirm: str = "rerun"
     #: Why spawning is off although it was not asked for (e.g. --pdb), or "".
     forced_inprocess: str = ""
     #: Whether ``@pytest.mark.forked`` spawns (pytest-forked is not there to own it).

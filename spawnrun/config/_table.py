@@ -379,6 +379,21 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="auto|run|off",
         title="JAX compilations shared by a run's children",
     ),
+    Setting(
+        name="confirm",
+        cli="--spawn-confirm",
+        ini="spawn_confirm",
+        env="SPAWNRUN_CONFIRM",
+        marker_kwarg=None,
+        default="rerun",
+        parse=_parse.parse_confirm,
+        help="What counts for a test whose first run failed where a guess of the run's "
+        "may be to blame (out of memory on a guessed budget, an error that names forking "
+        "or a death in a fork) and that ran again: rerun, the second run's outcome (both "
+        "runs shown); strict, a test that passed only when run again fails",
+        metavar="rerun|strict",
+        title="a test run again after its first run's failure",
+    ),
 )
 
 MARKER_KWARGS = tuple(s.marker_kwarg for s in SETTINGS if s.marker_kwarg)

@@ -116,8 +116,13 @@ class Ends(Queries):
         state = child.state
         if state is State.RUNNING:
             entry = self.tests[child.test]
-            detail = f"its child exited with status {code} before reporting"
-            self.end(entry, ev.Report(child.test, Outcome.CRASHED, detail))
+            if entry.test.forked and not entry.again and not self.stopping:
+                # It died in a fork of a template (a signal, a hang): the fork may be to
+                # blame (state that is not fork-safe), so a spawned child decides.
+                self._again_apart(entry, alone=False)
+            else:
+                detail = f"its child exited with status {code} before reporting"
+                self.end(entry, ev.Report(child.test, Outcome.CRASHED, detail))
         elif state in (State.STARTING, State.READY):
             self._lost_before_test(child, f"its child exited with status {code} before it booted")
         elif state is State.EXITING and code != 0 and child.last:

@@ -123,6 +123,10 @@ class JobRecord:
         self.beside_guess = False
         #: Why its fork's outcome may not be a spawned child's (``Done.doubt``).
         self.doubt = ""
+        #: Whether the summary counted it as a test (once, whenever it ended).
+        self.counted = False
+        #: Why it runs again, once (its first run's evidence against a guess; "": not).
+        self.again_why = ""
         #: Its child (the last started) was forked from the zygote.
         self.zygote_forked = False
         self.replay = _replay.Replay(item)

@@ -22,6 +22,7 @@ from spawnrun.dispatch.events import Outcome
 from spawnrun.dispatch.state import Phase
 from spawnrun.driver import _early
 from spawnrun.driver import _replay
+from spawnrun.driver import _reruns
 from spawnrun.driver._jobrecord import LISTENING
 from spawnrun.driver._jobrecord import State
 from spawnrun.driver._jobs import Job
@@ -108,35 +109,57 @@ class Performer(Units):
         ``alone``: it failed on a guessed budget (its own or a neighbour's), and runs
         alone, with no budget; else (its fork's outcome was in doubt, or ``order``: it
         failed after it ran out of pytest's order, and runs again once the tests before
-        it have ended) it runs spawned, not forked, with its own need. The first run's
-        job still ends its child (its reports are never replayed, and it is not counted
-        as a test); its turn (what the parent's environment and teardown were when pytest
-        reached the test) carries over. A template's test runs again in a child of its
-        own, and the template goes on with its next test."""
+        it have ended; or it died in a fork) it runs spawned, not forked, with its own
+        need. The first run's job still ends its child (it is not counted as a test);
+        its failures are kept and shown as reruns before the reports that count
+        (``Replay.carry``); its turn (what the parent's environment and teardown were
+        when pytest reached the test) carries over. A template's test runs again in a
+        child of its own, and the template goes on with its next test."""
         old = self.by_id.pop(nodeid, None)
         item, plan = self.items[nodeid]
         forked = old is not None and old.forked
-        unforked = (old.doubt or _unforked.FAILED_IN_FORK) if old and forked else plan.unforked
+        why = self._why_again(old, order)
+        unforked = why if old is not None and forked else plan.unforked
         scope = _packing.shared_scope(plan.scope)
         if order:
             self.out_of_order.append(nodeid)
         if alone:
             guess = plan.budget_source if plan.learned else "a neighbour's guessed budget"
-            why = f"ran again alone: it failed or skipped on a guessed budget ({guess})"
+            because = f"ran again alone: {why} ({guess})"
             if order:
-                why = f"ran again alone, in its order: it failed after it {OUT_OF_ORDER}"
+                because = f"ran again alone, in its order: it failed after it {OUT_OF_ORDER}"
             else:
                 self.again.append(nodeid)
             plan = replace(
-                plan, need=_packing.ALONE, alone_because=why, budget_source="", learned=False
+                plan, need=_packing.ALONE, alone_because=because, budget_source="", learned=False
             )
         self.items[nodeid] = (item, replace(plan, scope=scope, unforked=unforked))
         new = self._job_of(nodeid)
         if old is not None:
+            new.replay.carry(old.replay, why)
             old.turned = False
             new.turned, new.parent_error = True, old.parent_error
             new.env_set, new.env_unset = dict(old.env_set), list(old.env_unset)
             new.timeout = old.timeout
+
+    def _why_again(self, old: Job | None, order: bool) -> str:
+        """What the first run's evidence against the guess was (its own words)."""
+        if old is None:
+            return ""
+        if old.again_why:
+            return old.again_why
+        if order:
+            return f"it failed after it {OUT_OF_ORDER}"
+        if old.forked:
+            # It died in its fork (the dispatcher's rule: ``Exited`` while it ran).
+            died = "timed out" if old.timeouts else "crashed"
+            why = f"it {died} in a fork of a template"
+            reports = old.replay.reports
+            config, nodeid = old.item.config, old.item.nodeid
+            outcome, failure = _unforked.outcome(reports), _unforked.failure(reports)
+            _unforked.note(config, nodeid, why, outcome, failure)
+            return why
+        return "it failed on a guess of the run's"
 
     def _job_of(self, nodeid: str) -> Job:
         job = self.by_id.get(nodeid)
@@ -311,7 +334,9 @@ class Performer(Units):
             job.replay.emit(None, interrupted=True)
             self.interrupting = job
             return
+        _reruns.before_emit(job.replay)
         job.replay.emit(job.parent_error)
+        _reruns.after_emit(job.replay)
         reports = job.replay.reports
         _unforked.confirmed(
             job.item.config, nodeid, _unforked.outcome(reports), _unforked.failure(reports)

@@ -48,6 +48,11 @@ class Replay:
         self.properties: list[tuple[str, object]] = []
         #: Whether ``pytest_runtest_logstart`` was called for this test.
         self.started = False
+        #: Earlier runs' failures (and skips), kept where the test ran again (``carry``):
+        #: logged before this run's reports, with pytest-rerunfailures' outcome "rerun".
+        self.earlier: list[pytest.TestReport] = []
+        #: Why it ran again: its first run's evidence against the run's guess.
+        self.again_why = ""
 
     def enter(self, when: str) -> None:
         self.phase = when
@@ -135,6 +140,20 @@ class Replay:
         self.phase = ""
         return True
 
+    def carry(self, first: Replay, why: str) -> None:
+        """This run follows ``first``'s, which ended where a guess of the run's may be to
+        blame (``why``): its failures and skips are kept, to be shown as reruns before
+        the reports that count; nothing else of it is (a passed setup would be a
+        second test to junitxml)."""
+        self.earlier = list(first.earlier)
+        for report in first.reports:
+            if report.failed or (report.skipped and not hasattr(report, "wasxfail")):
+                report.outcome = "rerun"  # type: ignore[assignment]
+                report.rerun = len(self.earlier)  # type: ignore[attr-defined]
+                report.spawnrun_again = why  # type: ignore[attr-defined]
+                self.earlier.append(report)
+        self.again_why = why
+
     def ensure_teardown(self) -> None:
         if "teardown" not in self.seen:
             self.add(_reports.make(self.item, "teardown", "passed"))
@@ -178,6 +197,8 @@ class Replay:
         self.start()
         if self.xml_attributes:
             _xml_attributes(item, self.xml_attributes)
+        for report in self.earlier:
+            item.ihook.pytest_runtest_logreport(report=report)
         if interrupted:
             for i, report in enumerate(self.reports):
                 self._write(self.terminal_before.get(i, ""))

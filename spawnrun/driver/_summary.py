@@ -65,6 +65,9 @@ class Summary:
         # turn is still to come (its child died meanwhile): counted at its turn.
 
     def _count_test(self, job: Job) -> None:
+        if job.counted:
+            return  # ended and counted before its report was told (in pytest's order)
+        job.counted = True
         self.isolated += 1
         self.replaced += bool(job.replaced)
         self.crashes += job.crashes
@@ -156,10 +159,10 @@ class Summary:
         if self.again:
             shown = ", ".join(self.again[:10]) + (" ..." if len(self.again) > 10 else "")
             lines.append(
-                f"{_plural(len(self.again), 'test')} failed (or skipped after using a GPU) "
-                "on a guessed budget, or beside one, or held more than it over its process "
-                "tree, and ran again alone (the second run's outcome counts; its peak is "
-                f"recorded): {shown}"
+                f"{_plural(len(self.again), 'test')} ran out of memory (or skipped for want "
+                "of it) on a guessed budget, or beside one, or held more than it over its "
+                "process tree, and ran again alone (the second run's outcome counts; its "
+                f"peak is recorded): {shown}"
             )
         if self.out_of_order:
             shown = ", ".join(self.out_of_order[:10])

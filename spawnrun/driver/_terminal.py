@@ -19,6 +19,7 @@ from spawnrun.config._plan import INVENTORY_KEY
 from spawnrun.config._plan import SETTINGS_KEY
 from spawnrun.devices import _packing
 from spawnrun.driver import _ending
+from spawnrun.driver import _reruns
 from spawnrun.driver import _session
 from spawnrun.launch import _starting
 from spawnrun.learn import _learned
@@ -84,7 +85,8 @@ def summary_lines(config: pytest.Config) -> list[str]:
     holder = config.stash.get(_starting.ZYGOTE_KEY, None)
     if holder is not None:
         lines += holder.declined_lines()
-    lines += _unforked.lines(config)
+    lines += _unforked.lines(config, _reruns.shown(config))
+    lines += _reruns.lines(config)
     if scheduler is not None and _session.xdist_worker():
         lines += scheduler.split_groups()
     return lines

@@ -32,6 +32,7 @@ from spawnrun.driver._jobs import Job
 from spawnrun.driver._loop import Loop
 from spawnrun.launch import _runner
 from spawnrun.learn import _boots
+from spawnrun.learn import _evidence
 from spawnrun.learn import _learned
 from spawnrun.learn import _unforked
 
@@ -277,48 +278,63 @@ class Units(Loop):
         return out
 
     def _again(self, job: Job) -> bool:
-        """Whether the test failed where a guess of the run's may be to blame: it ran on
-        a learned budget (torch capped it there), or beside another test while budgets
-        are learned (a neighbour's guess may have been too small). It then runs again,
-        alone, once: a test that passes in-process never fails on a guess. Not a
-        scope's test (its child runs others; a template's test ran in a fork of its own),
-        nor one that stopped the session.
+        """Whether the test runs again, once, because its first run's failure is of a
+        kind a guess of the run's can cause (``_evidence``): out of memory on a learned
+        budget (torch capped it there), or beside another test while budgets are
+        learned (a neighbour's guess may have been too small): it runs again alone. Not
+        a scope's test (its child runs others; a template's test ran in a fork of its
+        own), nor one that stopped the session. Any other failure counts as it is:
+        plain pytest runs a test once.
 
-        A fork (fast mode) is a guess too: a forked test that failed, or whose fork saw
-        it rewrite what the template's imports had read (``Done.doubt``), runs again in
-        a fresh spawned child with its own need (``_unforked``)."""
+        A fork (fast mode) is a guess too: a forked test whose error names forking, or
+        that failed where its fork saw it rewrite what the template's imports had read
+        (``Done.doubt``), runs again in a fresh spawned child with its own need. One
+        that failed otherwise, or passed in doubt, counts as it is, and the next run
+        spawns it instead of forking it (``_unforked``): no evidence, no second run."""
         if _packing.shared_scope(job.plan.scope):
             return False
         if job.interrupted is not None or job.replaced:
             return False
-        failed = any(r.failed for r in job.replay.reports)
+        config, nodeid, reports = job.item.config, job.item.nodeid, job.replay.reports
+        failed = any(r.failed for r in reports)
+        if job.forked and not failed and not job.doubt and _evidence.unsure(reports):
+            # It skipped itself or an xfail held in its fork: that counts, but the next
+            # run spawns it (a condition read in a fork may read otherwise spawned).
+            why = "it skipped itself, or an xfail held, in a fork of a template"
+            _unforked.unsure(config, nodeid, why, _unforked.outcome(reports))
+            return False
         if job.forked and (failed or job.doubt):
-            failure = _unforked.failure(job.replay.reports)
+            failure = _unforked.failure(reports)
             if not job.doubt and failure and failure == job.plan.known_failure:
                 # It failed as its fork and its spawned run both did before.
-                _unforked.accepted(job.item.config, job.item.nodeid)
+                _unforked.accepted(config, nodeid)
                 return False
-            why = job.doubt or _unforked.FAILED_IN_FORK
-            outcome = _unforked.outcome(job.replay.reports)
-            _unforked.note(job.item.config, job.item.nodeid, why, outcome, failure)
+            outcome = _unforked.outcome(reports)
+            evidence = _evidence.fork(reports, job.doubt)
+            if not evidence:
+                _unforked.unsure(config, nodeid, job.doubt or _unforked.FAILED_IN_FORK, outcome)
+                return False
+            _unforked.note(config, nodeid, evidence, outcome, failure)
+            job.again_why = f"{evidence}, in a fork of a template"
             return True
         return self._budget_guess(job)
 
     def _budget_guess(self, job: Job) -> bool:
         """Whether it failed where a guessed budget (learned, or a first run's share) may
-        be to blame, or was skipped (or xfailed) there after it used a device (a test
-        that skips where too little memory is free), or its process tree held more than
-        that budget (it runs again alone, with none: that run's peak is what is
-        learned)."""
+        be to blame, and its failure says it ran out of memory (or it skipped for want of
+        memory), or its process tree held more than that budget whatever its outcome (it
+        runs again alone, with none: that run's peak is what is learned)."""
         if not self.guessing:
             return False
         if job.tree_over_guess:
+            job.again_why = "its process tree held more than its guessed budget"
             return True
         if not (job.guessed or job.beside_guess):
             return False
-        reports = job.replay.reports
-        skipped = job.used_device is not False and any(r.skipped for r in reports)
-        return skipped or any(r.failed for r in reports)
+        evidence = _evidence.memory(job.replay.reports)
+        if evidence:
+            job.again_why = f"{evidence}, on a guessed budget"
+        return bool(evidence)
 
     def _start_error(self, job: Job) -> str:
         for report in job.replay.reports:

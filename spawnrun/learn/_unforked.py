@@ -1,12 +1,17 @@
-"""Tests whose outcome a fork may have changed: confirmed spawned, never forked again.
+"""Tests whose outcome a fork may have changed: not forked again while they are as they were.
 
 Runs in the parent. Fast mode forks a test from a template: a guess that the template's
 imports, seeded streams and module state are what the test's own spawned child would
-have. Where a forked test fails, or its fork saw it write a variable the template's
-imports had read (``Done.doubt``), it runs again in a fresh spawned child and that run's
-reports count (``_units.Units._again``). Each such test is kept here for the summary and
-in pytest's cache (``spawnrun/unforked``, node id -> why): the next run spawns it fresh
-from the start (``Plan.unforked``) instead of repeating the guess.
+have. Where a forked test's failure points at the fork (``learn._evidence``: an error
+that names forking, a failure where its fork saw it write a variable the template's
+imports had read, a death in the fork), it runs again in a fresh spawned child and that
+run's reports count (``_units.Units._again``). Where a forked test failed with no such
+sign, or passed in doubt, its report counts as it is, once (a second run is unfaithful
+itself), and it is ``unsure``. Each such test is kept here for the summary and in
+pytest's cache (``spawnrun/unforked``, node id -> why and the signature of its file and
+conftests): the next run spawns it fresh from the start (``Plan.unforked``) instead of
+repeating the guess, until the test's file or its conftests change (a fixed test is
+forked again).
 
 Except where the fork was not to blame: a test that failed in its fork and in its
 spawned run alike (the same outcome, the same failure: the phase, the exception and its
@@ -37,6 +42,9 @@ LIMIT = 5_000
 RUN_KEY = pytest.StashKey[dict[str, list[str]]]()
 #: This run's tests that failed forked as they had failed spawned (not run again).
 KNOWN_KEY = pytest.StashKey[list[str]]()
+#: This run's forked tests that failed with no sign the fork was to blame, or passed in
+#: doubt (their reports count; the next run spawns them): node id -> why.
+UNSURE_KEY = pytest.StashKey[dict[str, str]]()
 #: A failure's words kept at most.
 FAILURE_LIMIT = 2_000
 
@@ -61,19 +69,21 @@ def _records(config: Any) -> dict[str, Any]:
 
 
 def _valid(record: Any) -> bool:
-    if isinstance(record, str):
-        return True
-    return (
-        isinstance(record, dict)
-        and isinstance(record.get("failure"), str)
-        and isinstance(record.get("signature"), str)
-        and bool(record["failure"])
-    )
+    if not isinstance(record, dict) or not isinstance(record.get("signature"), str):
+        return False  # (a bare reason: an older record, kept for good; expired now)
+    if "why" in record:
+        return isinstance(record["why"], str) and bool(record["why"])
+    return isinstance(record.get("failure"), str) and bool(record["failure"])
 
 
 def remembered(config: Any) -> dict[str, str]:
-    """Tests an earlier run doubted: node id -> why (never raises)."""
-    return {k: v for k, v in _records(config).items() if isinstance(v, str)}
+    """Tests an earlier run doubted, their file and conftests unchanged since: node id ->
+    why (never raises)."""
+    doubted = {}
+    for nodeid, record in _records(config).items():
+        if "why" in record and _unchanged(config, nodeid, record["signature"]):
+            doubted[nodeid] = record["why"]
+    return doubted
 
 
 def known_failures(config: Any) -> dict[str, str]:
@@ -81,10 +91,15 @@ def known_failures(config: Any) -> dict[str, str]:
     conftests unchanged since: node id -> that failure (never raises)."""
     known = {}
     for nodeid, record in _records(config).items():
-        if isinstance(record, dict):
-            if record["signature"] and record["signature"] == _signature(config, nodeid):
-                known[nodeid] = record["failure"]
+        if "failure" in record and _unchanged(config, nodeid, record["signature"]):
+            known[nodeid] = record["failure"]
     return known
+
+
+def _unchanged(config: Any, nodeid: str, signature: str) -> bool:
+    """Whether the test's file and conftests are as they were when ``signature`` was
+    taken (a file that could not be read then has none: never unchanged)."""
+    return bool(signature) and signature == _signature(config, nodeid)
 
 
 def _signature(config: Any, nodeid: str) -> str:
@@ -112,6 +127,12 @@ def accepted(config: Any, nodeid: str) -> None:
     config.stash.setdefault(KNOWN_KEY, []).append(nodeid)
 
 
+def unsure(config: Any, nodeid: str, why: str, outcome: str) -> None:
+    """The test ``outcome``-ed in its fork (``why``: in doubt, or failed) with no sign the
+    fork was to blame: that report counts; the next run spawns it."""
+    config.stash.setdefault(UNSURE_KEY, {})[nodeid] = f"{why} ({outcome} forked, counted)"
+
+
 def note(config: Any, nodeid: str, why: str, outcome: str, failed: str = "") -> None:
     """The test ran again spawned because of ``why``; ``outcome`` and ``failed``: in
     the fork."""
@@ -128,26 +149,51 @@ def confirmed(config: Any, nodeid: str, outcome: str, failed: str = "") -> None:
 def save(config: Any) -> None:
     """Keep this run's records for the next (with the earlier ones, most recent last)."""
     run = config.stash.get(RUN_KEY, {})
+    unsure_ = config.stash.get(UNSURE_KEY, {})
     cache = getattr(config, "cache", None)
-    if not run or cache is None:
+    if not (run or unsure_) or cache is None:
         return
-    kept = {k: v for k, v in _records(config).items() if k not in run}
+    kept = {k: v for k, v in _records(config).items() if k not in run and k not in unsure_}
+    for nodeid, why in unsure_.items():
+        kept[nodeid] = {"why": why, "signature": _signature(config, nodeid)}
     for nodeid, (why, fork, spawned, fork_failed, spawned_failed) in run.items():
-        alike = why == FAILED_IN_FORK and fork == spawned and fork_failed == spawned_failed
+        signature = _signature(config, nodeid)
+        alike = fork == spawned and fork_failed == spawned_failed
         if alike and spawned_failed:
-            signature = _signature(config, nodeid)
             kept[nodeid] = {"failure": spawned_failed, "signature": signature}
         else:
-            kept[nodeid] = why
+            kept[nodeid] = {"why": why, "signature": signature}
     with contextlib.suppress(Exception):  # a read-only cache: the guess is made again
         cache.set(KEY, dict(list(kept.items())[-LIMIT:]))
 
 
-def lines(config: Any) -> list[str]:
-    """The summary's words for the tests a fork's guess may have changed."""
+def lines(config: Any, shown: frozenset[str] = frozenset()) -> list[str]:
+    """The summary's words for the tests a fork's guess may have changed (``shown``:
+    those that ran again whose runs another line lists)."""
     run = config.stash.get(RUN_KEY, {})
     known = config.stash.get(KNOWN_KEY, [])
+    unsure_ = config.stash.get(UNSURE_KEY, {})
     out = []
+    if unsure_:
+        many = len(unsure_) != 1
+        kept = getattr(config, "cache", None) is not None
+        out.append(
+            f"{len(unsure_)} forked test{'s' if many else ''} ended where the fork may have "
+            "changed what they saw, with no sign it did (a failure of the test's own, a "
+            "skip in its call, a pass in doubt): "
+            f"{'their reports count' if many else 'its report counts'}, not run again"
+            + (
+                f"; the next run spawns {'them' if many else 'it'} while "
+                f"{'their files and conftests are' if many else 'its file and conftests are'}"
+                " unchanged:"
+                if kept
+                else ":"
+            )
+        )
+        for nodeid, why in list(unsure_.items())[:10]:
+            out.append(f"  {nodeid}: {why}")
+        if len(unsure_) > 10:
+            out.append(f"  ... and {len(unsure_) - 10} more")
     if known:
         out.append(
             f"{len(known)} test{'s' if len(known) != 1 else ''} failed in a fork as "
@@ -164,11 +210,14 @@ def lines(config: Any) -> list[str]:
         "after a fork (that run's outcome counts; the next run does not fork "
         f"{'them' if len(run) != 1 else 'it'}):"
     ]
-    for nodeid, (why, fork, spawned, *_) in list(run.items())[:10]:
+    listed = [(n, r) for n, r in run.items() if n not in shown]
+    for nodeid, (why, fork, spawned, *_) in listed[:10]:
         outcome = f"{fork} forked, {spawned or 'not run'} spawned"
         out.append(f"  {nodeid}: {why} ({outcome})")
-    if len(run) > 10:
-        out.append(f"  ... and {len(run) - 10} more")
+    if len(listed) > 10:
+        out.append(f"  ... and {len(listed) - 10} more")
+    if len(listed) < len(run):
+        out.append(f"  {len(run) - len(listed)} listed below, with both runs")
     if changed:
         out.append(
             f"  the fork changed the outcome of {len(changed)}: {', '.join(changed[:5])}"
