@@ -470,3 +470,45 @@ def test_a_child_is_a_fresh_interpreter_to_multiprocessing_and_random(
     result.stdout.no_fnmatch_line("*INTERNALERROR*")
     draws = (pytester.path / "draws.txt").read_text().split()
     assert len(set(draws)) == 4, draws
+
+
+@pytest.mark.parametrize("exported", [False, True], ids=["unset", "exported"])
+def test_a_library_default_put_back_by_patch_dict_is_no_change(
+    pytester: pytest.Pytester,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    exported: bool,
+) -> None:
+    """peft (issue 56): scikit-learn's import does ``os.environ.setdefault(
+    "KMP_DUPLICATE_LIB_OK", "True")``; learned as a preload, the template's import read it
+    and set it. A test wrapped in ``mock.patch.dict(os.environ, ...)`` puts every variable
+    back on exit (it empties the environment, then writes each again): each such fork was
+    in doubt and every second run ran each test twice. Putting a value back is no change,
+    nor is the library's own default; the tests run forked, once, in three runs."""
+    site = tmp_path_factory.mktemp("site")
+    (site / "setdefaultlib").mkdir()
+    (site / "setdefaultlib" / "__init__.py").write_text(
+        "import os\nos.environ.setdefault('SDL_DUPLICATE_OK', 'True')\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    if exported:
+        monkeypatch.setenv("SDL_DUPLICATE_OK", "True")
+    else:
+        monkeypatch.delenv("SDL_DUPLICATE_OK", raising=False)
+    body = "    import setdefaultlib\n    assert os.environ['SDL_DUPLICATE_OK'] == 'True'\n"
+    pytester.makepyfile(
+        test_plain="import os\n\ndef test_plain():\n" + body,
+        test_patched=(
+            "import os\nfrom unittest import mock\n\n"
+            "def test_patched():\n"
+            "    with mock.patch.dict(os.environ, {'OTHER_VAR': '1'}):\n"
+            "    " + body.replace("\n    ", "\n        ")
+        ),
+    )
+    for run in range(3):
+        result = pytester.runpytest_subprocess("--spawn-gpu", *FAST)
+        result.assert_outcomes(passed=2)
+        result.stdout.no_fnmatch_line("*ran again*")
+        result.stdout.no_fnmatch_line("*in doubt*")
+        result.stdout.no_fnmatch_line("*RERUN*")
+        result.stdout.fnmatch_lines(["*2 tests isolated in 2 children*"])

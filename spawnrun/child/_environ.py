@@ -241,31 +241,79 @@ def watch_writes() -> None:
         return  # nothing read in a template (a spawned child), or watched already
 
     def setitem(self: Any, key: str, value: str) -> None:
+        before = _current(self, key)
         _original_setitem(self, key, value)
         if self is os.environ:
-            _wrote(key, value)
+            _wrote(key, value, before)
 
     def delitem(self: Any, key: str) -> None:
+        before = _current(self, key)
         _original_delitem(self, key)
         if self is os.environ:
-            _wrote(key, None)
+            _wrote(key, None, before)
 
     _Environ.__setitem__ = setitem  # type: ignore[method-assign]
     _Environ.__delitem__ = delitem  # type: ignore[method-assign]
 
 
-def _wrote(key: str, value: str | None) -> None:
-    global _doubt
-    read = LATE.get(key)
-    if _doubt or read is None or read[0] == value:
+#: Variables written while ``mock.patch.dict`` put the environment back (it empties it,
+#: then writes every variable again): judged once that is over.
+_restored: set[str] = set()
+
+
+def _current(environ: Any, key: str) -> str | None:
+    try:
+        return str(_original_getitem(environ, key))
+    except KeyError:
+        return None
+
+
+def _wrote(key: str, value: str | None, before: str | None) -> None:
+    """A write of ``key`` (``value``; None: deleted), which had ``before``: a variable a
+    learned preload read, now at a value that library would have made otherwise, makes
+    the test's outcome doubtful. Not a write of the value it had (restoring is not
+    changing), nor one equal to what the library read, or to the default the library set
+    itself where it read it unset (``DEFAULTED``: a spawned child's library, finding the
+    test's value, would keep it: the same); writes while ``mock.patch.dict`` puts the
+    environment back are judged once it is done (it passes through an empty one)."""
+    if _doubt or key not in LATE or value == before:
         return
-    seen, reader = read
+    if _putting_back():
+        _restored.add(key)
+        return
+    _judge(key, value)
+    _judge_restored()
+
+
+def _judge(key: str, value: str | None) -> None:
+    global _doubt
+    seen, reader = LATE[key]
+    if _doubt or value == seen or (seen is None and value == DEFAULTED.get(key)):
+        return
     _doubt = (
         f"{key} was set to {_shown(value)} in its process, and {reader or 'a module'} "
         f"had read it at import in the template ({_shown(seen)})"
     )
 
 
+def _judge_restored() -> None:
+    for key in sorted(_restored):
+        _judge(key, _current(os.environ, key))
+    _restored.clear()
+
+
+def _putting_back() -> bool:
+    """Whether ``unittest.mock`` is putting a patched dict back (its clear, then update)."""
+    frame = sys._getframe(3)
+    while frame is not None:
+        if frame.f_code.co_name in ("_unpatch_dict", "_clear_dict"):
+            if frame.f_globals.get("__name__") == "unittest.mock":
+                return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 def doubt() -> str:
     """Why this fork's outcome may not be a spawned child's ("": no reason known)."""
+    _judge_restored()
     return _doubt
