@@ -90,7 +90,9 @@ def test_crash_matrix(outcomes, pytester, method):
     for phase in PHASES:
         for kind, (_, cause, has_stack) in KINDS.items():
             nodeid = f"test_matrix.py::test_crash[{phase}-{kind}]"
-            mine = [s for s in seen if s[0] == nodeid]
+            # A death in a fork of a template runs the test again, spawned (issue 56):
+            # the first run's report is shown as a rerun, the second counts.
+            mine = [s for s in seen if s[0] == nodeid and s[2] != "rerun"]
             # Exactly one failed report, on the phase that died; nothing lost.
             assert [s[1] for s in mine if s[2] == "failed"] == [phase], mine
             assert [s[1] for s in mine] == (

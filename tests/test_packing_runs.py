@@ -573,13 +573,16 @@ def test_a_test_that_fails_on_its_learned_budget_runs_again_alone(
     pytester.runpytest_subprocess(*args).assert_outcomes(passed=2 + twice)  # learns: alone
     second = pytester.runpytest_subprocess(*args, "-rA")
     second.assert_outcomes(passed=2 + twice)
-    said = "test failed" if len(tests) == 1 else "tests failed"
+    said = "test ran" if len(tests) == 1 else "tests ran"
     assert (
-        f"{len(tests)} {said} (or skipped after using a GPU) on a guessed budget, or beside "
-        "one, or held more than it over its process tree, and ran again alone (the second "
-        f"run's outcome counts; its peak is recorded): {', '.join(tests)}"
+        f"{len(tests)} {said} out of memory (or skipped for want of it) on a guessed budget, "
+        "or beside one, or held more than it over its process tree, and ran again alone "
+        f"(the second run's outcome counts; its peak is recorded): {', '.join(tests)}"
     ) in second.stdout.str()
-    second.stdout.no_fnmatch_line("*out of memory (pretend)*")
+    # Both runs are shown (issue 56): the first run's failure, then the one that counts.
+    second.stdout.fnmatch_lines(
+        ["*first runs of tests that ran again*", "*out of memory (pretend)*"]
+    )
     seen = read_stamps(stamps)
     assert [seen[f"grows{n}"]["budget"] for n in (1, 2)[: 1 + twice]] == [0] * len(tests)
     xml = (pytester.path / "out.xml").read_text()
@@ -630,12 +633,11 @@ def test_a_first_run_shares_the_device_and_a_test_it_does_not_fit_runs_again_alo
     args = ["--spawn-gpu", "--spawn-per-gpu", "4", "--spawn-jobs", "4", "-rs"]
     result = pytester.runpytest_subprocess(*args, "--spawn-method", method)
     result.assert_outcomes(passed=5, skipped=1)
-    result.stdout.no_fnmatch_line("*out of memory (pretend)*")
-    result.stdout.no_fnmatch_line("*too little memory free*")
+    assert result.parseoutcomes()["rerun"] == 2  # both runs shown (issue 56)
     result.stdout.fnmatch_lines(["*not on this platform*"])
     again = [line for line in result.stdout.lines if "on a guessed budget, or beside one" in line]
     assert len(again) == 1, result.stdout.str()
-    assert again[0].startswith("2 tests failed (or skipped after using a GPU)"), again
+    assert again[0].startswith("2 tests ran out of memory (or skipped for want of it)"), again
     named = again[0].split(": ", 1)[1].split(", ")
     assert sorted(named) == [
         "test_first.py::test_needs_more",
@@ -678,7 +680,9 @@ def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, st
             end = time.time() + 2.0
             while time.time() < end and not os.path.exists("guessed.running"):
                 time.sleep(0.05)
-            assert not os.path.exists("guessed.running"), "ran out beside a guess"
+            if os.path.exists("guessed.running"):
+                import torch
+                raise torch.OutOfMemoryError("CUDA out of memory beside a guess (pretend)")
             stamp("declared", 0.1)
         """
     )
@@ -687,7 +691,7 @@ def test_a_test_that_fails_beside_a_learned_budget_runs_again_alone(pytester, st
     second = pytester.runpytest_subprocess(*args)
     second.assert_outcomes(passed=2)
     second.stdout.fnmatch_lines(
-        ["1 test failed (or skipped after using a GPU) on a guessed budget, or beside one, *"]
+        ["1 test ran out of memory (or skipped for want of it) on a guessed budget, or *"]
     )
     second.stdout.fnmatch_lines(["*ran again alone*: test_side.py::test_declared"])
 

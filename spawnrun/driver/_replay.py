@@ -142,16 +142,19 @@ class Replay:
 
     def carry(self, first: Replay, why: str) -> None:
         """This run follows ``first``'s, which ended where a guess of the run's may be to
-        blame (``why``): its failures and skips are kept, to be shown as reruns before
-        the reports that count; nothing else of it is (a passed setup would be a
-        second test to junitxml)."""
+        blame (``why``): its failures and skips (where it passed in doubt, its call) are
+        kept, to be shown as reruns before the reports that count; nothing else of it is
+        (a passed setup would be a second test to junitxml)."""
         self.earlier = list(first.earlier)
-        for report in first.reports:
-            if report.failed or (report.skipped and not hasattr(report, "wasxfail")):
-                report.outcome = "rerun"  # type: ignore[assignment]
-                report.rerun = len(self.earlier)  # type: ignore[attr-defined]
-                report.spawnrun_again = why  # type: ignore[attr-defined]
-                self.earlier.append(report)
+        kept = [r for r in first.reports if r.failed or r.skipped]
+        if not kept:  # it passed in doubt: its call (else setup) is the run shown
+            kept = [r for r in first.reports if r.when == "call"] or first.reports[:1]
+        for report in kept:
+            report.spawnrun_first_outcome = report.outcome  # type: ignore[attr-defined]
+            report.outcome = "rerun"  # type: ignore[assignment]
+            report.rerun = len(self.earlier)  # type: ignore[attr-defined]
+            report.spawnrun_again = why  # type: ignore[attr-defined]
+            self.earlier.append(report)
         self.again_why = why
 
     def ensure_teardown(self) -> None:

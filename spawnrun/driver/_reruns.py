@@ -51,7 +51,9 @@ def before_emit(replay: _replay.Replay) -> None:
     if not replay.earlier:
         return
     config = replay.item.config
-    if config.stash[SETTINGS_KEY].confirm == "strict" and not any(r.failed for r in replay.reports):
+    first_failed = any(_failed(r) for r in replay.earlier)
+    counted_passed = not any(r.failed for r in replay.reports)
+    if config.stash[SETTINGS_KEY].confirm == "strict" and first_failed and counted_passed:
         first = "\n\n".join(str(r.longrepr) for r in replay.earlier if r.longrepr)
         text = STRICT.format(why=replay.again_why) + "\n" + first
         replay.fail_passed("spawnrun: first run", text)
@@ -74,6 +76,11 @@ def after_emit(replay: _replay.Replay) -> None:
             lastfailed[replay.item.nodeid] = True
 
 
+def _failed(report: pytest.TestReport) -> bool:
+    """Whether a kept first run's report failed (it says "rerun" now)."""
+    return getattr(report, "spawnrun_first_outcome", "") == "failed"
+
+
 def _outcome(reports: list[pytest.TestReport]) -> str:
     if any(r.failed and r.when != "call" for r in reports):
         return "error"
@@ -91,7 +98,7 @@ def _junit(config: pytest.Config, run: Rerun) -> None:
         return
     case = xml.node_reporter(run.nodeid)  # the test's case, open until its teardown
     kind = "flaky" if run.outcome in ("passed", "skipped") else "rerun"
-    for report in run.first:
+    for report in filter(_failed, run.first):
         error = report.when != "call"
         tag = kind + ("Error" if error else "Failure")
         crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
@@ -113,11 +120,11 @@ def lines(config: pytest.Config) -> list[str]:
     runs = config.stash.get(RUNS_KEY, [])
     if not runs:
         return []
-    flaky = [r for r in runs if r.outcome in ("passed", "skipped")]
+    flaky = [r for r in runs if r.outcome in ("passed", "skipped") and any(map(_failed, r.first))]
     out = [
-        f"{len(runs)} test{'s' if len(runs) != 1 else ''} ran again after a first run "
-        "that failed where a guess of the run's may be to blame (both runs are reported; "
-        "the second run's outcome counts):"
+        f"{len(runs)} test{'s' if len(runs) != 1 else ''} ran again where the first run's "
+        "evidence pointed at a guess of the run's (both runs are reported; the second "
+        "run's outcome counts):"
     ]
     for run in runs[:10]:
         first = _first_line(run.first)
@@ -152,19 +159,19 @@ def _first_line(reports: list[pytest.TestReport]) -> str:
         if isinstance(message, str) and message:
             return f"{report.when}: {message.splitlines()[0][:160]}"
         text = str(report.longrepr or "").strip().splitlines()
-        if text:  # a death's words (spawnrun's own): its first line says what it was
+        if text and _failed(report):  # a death's words (spawnrun's): its first line
             return f"{report.when}: {text[0][:160]}"
-    return "?"
+    return "passed"
 
 
 def show_first_runs(terminalreporter: Any, config: pytest.Config) -> None:
     """Each first run's failure in full, as pytest's failures section shows one."""
     runs = config.stash.get(RUNS_KEY, [])
-    if not runs or config.option.tbstyle == "no":
+    if not any(_failed(r) for run in runs for r in run.first) or config.option.tbstyle == "no":
         return
     terminalreporter.write_sep("=", "first runs of tests that ran again (spawnrun)")
     for run in runs:
-        for report in run.first:
+        for report in filter(_failed, run.first):
             terminalreporter.write_sep("_", f"{run.nodeid} (first run, {report.when})")
             terminalreporter.line(f"ran again: {run.why}")
             # The terminal writer pytest's own failures section writes reports with.

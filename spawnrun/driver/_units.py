@@ -287,37 +287,38 @@ class Units(Loop):
         plain pytest runs a test once.
 
         A fork (fast mode) is a guess too: a forked test whose error names forking, or
-        that failed where its fork saw it rewrite what the template's imports had read
-        (``Done.doubt``), runs again in a fresh spawned child with its own need. One
-        that failed otherwise, or passed in doubt, counts as it is, and the next run
-        spawns it instead of forking it (``_unforked``): no evidence, no second run."""
+        whose fork saw it rewrite what the template's imports had read (``Done.doubt``),
+        runs again in a fresh spawned child with its own need. One that failed otherwise
+        counts as it is, and the next run spawns it instead of forking it
+        (``_unforked``): no evidence, no second run."""
         if _packing.shared_scope(job.plan.scope):
             return False
         if job.interrupted is not None or job.replaced:
             return False
         config, nodeid, reports = job.item.config, job.item.nodeid, job.replay.reports
         failed = any(r.failed for r in reports)
-        if job.forked and not failed and not job.doubt and _evidence.unsure(reports):
-            # It skipped itself or an xfail held in its fork: that counts, but the next
-            # run spawns it (a condition read in a fork may read otherwise spawned).
-            why = "it skipped itself, or an xfail held, in a fork of a template"
-            _unforked.unsure(config, nodeid, why, _unforked.outcome(reports))
-            return False
+        if not job.forked and job.plan.unforked:
+            _unforked.spawned(config, nodeid, _unforked.failure(reports))
+        failure = _unforked.failure(reports)
+        outcome = _unforked.outcome(reports)
         if job.forked and (failed or job.doubt):
-            failure = _unforked.failure(reports)
             if not job.doubt and failure and failure == job.plan.known_failure:
                 # It failed as its fork and its spawned run both did before.
                 _unforked.accepted(config, nodeid)
                 return False
-            outcome = _unforked.outcome(reports)
             evidence = _evidence.fork(reports, job.doubt)
-            if not evidence:
-                _unforked.unsure(config, nodeid, job.doubt or _unforked.FAILED_IN_FORK, outcome)
-                return False
-            _unforked.note(config, nodeid, evidence, outcome, failure)
-            job.again_why = f"{evidence}, in a fork of a template"
-            return True
-        return self._budget_guess(job)
+            if evidence:
+                _unforked.note(config, nodeid, evidence, outcome, failure)
+                job.again_why = f"{evidence}, in a fork of a template"
+                return True
+        if self._budget_guess(job):
+            return True  # out of memory on a guessed budget: alone, with none
+        if job.forked and (failed or _evidence.unsure(reports)):
+            # A failure of its own, or a skip (an xfail) in its call: that counts, once,
+            # and the next run spawns it (what a fork read may read otherwise spawned).
+            why = _unforked.FAILED_IN_FORK if failed else _unforked.SKIPPED_IN_FORK
+            _unforked.unsure(config, nodeid, why, outcome, failure)
+        return False
 
     def _budget_guess(self, job: Job) -> bool:
         """Whether it failed where a guessed budget (learned, or a first run's share) may

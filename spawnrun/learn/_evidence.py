@@ -12,8 +12,8 @@ run's failure is of a kind the guess can cause:
   allocation failure, ``MemoryError``), or a skip whose reason is memory;
 * a fork (``fork``): an error that names forking (CUDA's "Cannot re-initialize CUDA in
   forked subprocess" and its kind), a hang pytest-timeout ended in the test's process, or
-  a failure while the fork saw the test rewrite what the template's imports had read
-  (``Done.doubt``).
+  a fork that saw the test give a variable another value than a library of its template
+  read at import (``Done.doubt``; passed or not, it saw that library otherwise).
 
 A process that died (a signal, the OOM killer, a hang) is judged where it ends
 (``_jobends``). Any other failure is the test's own: it counts as it is, once.
@@ -31,6 +31,8 @@ _MEMORY = re.compile(
     r"CUDA_ERROR_OUT_OF_MEMORY|HIP_ERROR_OUT_OF_MEMORY|hipErrorOutOfMemory|"
     r"[Ff]ailed to allocate|[Nn]ot enough memory|[Ii]nsufficient memory",
 )
+#: Words of a skip's reason that says memory was short (a test that reads what is free).
+_SKIP_MEMORY = re.compile(r"memory|\bOOM\b|VRAM", re.IGNORECASE)
 #: Words of an error raised by state a fork inherited and may not use.
 _FORK = re.compile(
     r"\bfork(ed|ing)?\b|after_fork|at_fork|re-?initiali[sz]e CUDA",
@@ -50,19 +52,20 @@ def memory(reports: list[Any]) -> str:
             if found:
                 return f"it ran out of memory ({_line(report, found)})"
         elif report.skipped and not hasattr(report, "wasxfail"):
-            found = _MEMORY.search(_skip_reason(report))
+            found = _SKIP_MEMORY.search(_skip_reason(report))
             if found:
                 return f"it skipped for want of memory ({_skip_reason(report)[:200]})"
     return ""
 
 
 def fork(reports: list[Any], doubt: str = "") -> str:
-    """Why the first run's failure may be the fork's: "" if not."""
-    failed = [r for r in reports if r.failed]
-    if not failed:
-        return ""
+    """Why the first run's outcome may be the fork's: "" if not. A doubt (the fork saw
+    the test give a variable another value than a library of its template read at
+    import) holds whatever the outcome: the test saw that library otherwise than a
+    spawned child would, and may have passed because of it."""
     if doubt:
         return doubt
+    failed = [r for r in reports if r.failed]
     for report in failed:
         found = _FORK.search(_words(report))
         if found:

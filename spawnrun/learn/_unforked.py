@@ -42,13 +42,18 @@ LIMIT = 5_000
 RUN_KEY = pytest.StashKey[dict[str, list[str]]]()
 #: This run's tests that failed forked as they had failed spawned (not run again).
 KNOWN_KEY = pytest.StashKey[list[str]]()
-#: This run's forked tests that failed with no sign the fork was to blame, or passed in
-#: doubt (their reports count; the next run spawns them): node id -> why.
-UNSURE_KEY = pytest.StashKey[dict[str, str]]()
+#: This run's forked tests that failed with no sign the fork was to blame, or skipped
+#: themselves (their reports count; the next run spawns them): node id -> (why, the
+#: failure in the fork).
+UNSURE_KEY = pytest.StashKey[dict[str, tuple[str, str]]]()
+#: This run's tests spawned because of such a record, that failed as their fork had:
+#: node id -> that failure (the fork was not to blame: a known failure from now on).
+ALIKE_KEY = pytest.StashKey[dict[str, str]]()
 #: A failure's words kept at most.
 FAILURE_LIMIT = 2_000
 
 FAILED_IN_FORK = "it failed in a fork of a template"
+SKIPPED_IN_FORK = "it skipped itself, or an xfail held, in a fork of a template"
 NOT_FOUND_IN_FORK = "a fork of a template did not find it"
 REMEMBERED = "an earlier run: {why}"
 
@@ -72,7 +77,8 @@ def _valid(record: Any) -> bool:
     if not isinstance(record, dict) or not isinstance(record.get("signature"), str):
         return False  # (a bare reason: an older record, kept for good; expired now)
     if "why" in record:
-        return isinstance(record["why"], str) and bool(record["why"])
+        forked = record.get("forked_failure", "")
+        return isinstance(record["why"], str) and bool(record["why"]) and isinstance(forked, str)
     return isinstance(record.get("failure"), str) and bool(record["failure"])
 
 
@@ -127,10 +133,19 @@ def accepted(config: Any, nodeid: str) -> None:
     config.stash.setdefault(KNOWN_KEY, []).append(nodeid)
 
 
-def unsure(config: Any, nodeid: str, why: str, outcome: str) -> None:
-    """The test ``outcome``-ed in its fork (``why``: in doubt, or failed) with no sign the
-    fork was to blame: that report counts; the next run spawns it."""
-    config.stash.setdefault(UNSURE_KEY, {})[nodeid] = f"{why} ({outcome} forked, counted)"
+def unsure(config: Any, nodeid: str, why: str, outcome: str, failed: str = "") -> None:
+    """The test ``outcome``-ed in its fork (``why``; ``failed``: its failure there) with
+    no sign the fork was to blame: that report counts; the next run spawns it."""
+    config.stash.setdefault(UNSURE_KEY, {})[nodeid] = (f"{why} ({outcome} forked, counted)", failed)
+
+
+def spawned(config: Any, nodeid: str, failed: str) -> None:
+    """A test spawned because an earlier run was unsure of its fork ended with
+    ``failed`` ("" none): where its fork had failed so, the fork was not to blame, and the
+    next run forks it again, trusting that failure (a known failure)."""
+    record = _records(config).get(nodeid)
+    if record and failed and record.get("forked_failure") == failed:
+        config.stash.setdefault(ALIKE_KEY, {})[nodeid] = failed
 
 
 def note(config: Any, nodeid: str, why: str, outcome: str, failed: str = "") -> None:
@@ -150,12 +165,17 @@ def save(config: Any) -> None:
     """Keep this run's records for the next (with the earlier ones, most recent last)."""
     run = config.stash.get(RUN_KEY, {})
     unsure_ = config.stash.get(UNSURE_KEY, {})
+    alike = config.stash.get(ALIKE_KEY, {})
     cache = getattr(config, "cache", None)
-    if not (run or unsure_) or cache is None:
+    if not (run or unsure_ or alike) or cache is None:
         return
-    kept = {k: v for k, v in _records(config).items() if k not in run and k not in unsure_}
-    for nodeid, why in unsure_.items():
-        kept[nodeid] = {"why": why, "signature": _signature(config, nodeid)}
+    new = run.keys() | unsure_.keys() | alike.keys()
+    kept = {k: v for k, v in _records(config).items() if k not in new}
+    for nodeid, (why, failed) in unsure_.items():
+        record = {"why": why, "signature": _signature(config, nodeid)}
+        kept[nodeid] = {**record, "forked_failure": failed} if failed else record
+    for nodeid, failed in alike.items():
+        kept[nodeid] = {"failure": failed, "signature": _signature(config, nodeid)}
     for nodeid, (why, fork, spawned, fork_failed, spawned_failed) in run.items():
         signature = _signature(config, nodeid)
         alike = fork == spawned and fork_failed == spawned_failed
@@ -190,7 +210,7 @@ def lines(config: Any, shown: frozenset[str] = frozenset()) -> list[str]:
                 else ":"
             )
         )
-        for nodeid, why in list(unsure_.items())[:10]:
+        for nodeid, (why, _) in list(unsure_.items())[:10]:
             out.append(f"  {nodeid}: {why}")
         if len(unsure_) > 10:
             out.append(f"  ... and {len(unsure_) - 10} more")
