@@ -106,8 +106,7 @@ def main() -> None:
     for mode, (tests, walls) in results.items():
         test, wall = statistics.median(tests), statistics.median(walls)
         print(
-            f"{mode:8} {test:10.2f} {test / base_test:6.2f}x "
-            f"{wall:12.2f} {wall / base_wall:6.2f}x"
+            f"{mode:8} {test:10.2f} {test / base_test:6.2f}x {wall:12.2f} {wall / base_wall:6.2f}x"
         )
 
 
