@@ -5,9 +5,10 @@ knows of itself), ``wire`` (the protocol), ``devices``, ``dispatch`` (the pure s
 core), ``child`` (a test's process), ``fork`` (the zygote), ``learn``, ``config``,
 ``launch`` (where a child is started), ``driver`` (the parent's loop and a test's life),
 ``calls`` (``spawnrun.call``), then ``plugin.py``. A module imports its own room or a lower
-one; no module is over 400 lines; modules import each other in no loop; and a test's
-process never loads the parent's side. Read from the code (``ast``), not run, except the
-last check, which imports the child's side in a fresh interpreter.
+one; modules import each other in no loop; and a test's process never loads the
+parent's side. (A module is sized by its concept, not a line count: the 400-line cap,
+which cut classes into base-class chains, is lifted.) Read from the code (``ast``), not
+run, except the last check, which imports the child's side in a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ ROOMS = "proc wire devices dispatch child fork learn config launch driver calls"
 #: Modules at the package's top level, and the room each stands in.
 TOP = {"__init__": "plugin", "hookspecs": "proc", "plugin": "plugin"}
 ORDER = [*ROOMS, "plugin"]
-LIMIT = 400
 
 
 def _modules() -> dict[str, Path]:
@@ -67,15 +67,6 @@ def test_every_module_stands_in_a_room():
     for room in ROOMS:
         doc = ast.get_docstring(ast.parse((PACKAGE / room / "__init__.py").read_text()))
         assert doc, f"spawnrun/{room}/__init__.py says what the room owns"
-
-
-def test_no_module_is_over_400_lines():
-    over = {
-        str(p.relative_to(PACKAGE.parent)): n
-        for p in _modules().values()
-        if (n := p.read_text().count("\n")) > LIMIT
-    }
-    assert over == {}
 
 
 def test_imports_go_to_the_same_room_or_a_lower_one():

@@ -39,10 +39,6 @@ def test_d_hangs_in_a_fork():
     if forked():
         time.sleep(60)
 
-def test_e_skips_in_a_fork():
-    if forked():
-        pytest.skip("in a fork")
-
 @pytest.mark.xfail(strict=True)
 def test_f_xfails_in_a_fork():
     assert not forked()
@@ -99,8 +95,7 @@ def test_a_failure_of_the_tests_own_counts_once_and_evidence_runs_it_again_shown
         assert seen[name] == ["RERUN", "PASSED"], (name, seen)
     first.stdout.fnmatch_lines(["*first runs of tests that ran again (spawnrun)*"])
     first.stdout.fnmatch_lines(["*3 of them passed only when run again*"])
-    # A skip or an xfail in a fork counts; the next run spawns the test.
-    assert seen["test_e_skips_in_a_fork"] == ["SKIPPED"]
+    # An xfail that held in a fork counts; the next run spawns the test.
     assert seen["test_f_xfails_in_a_fork"] == ["XFAIL"]
     cases = {c.get("name"): c for c in ET.parse(suite.path / "first.xml").iter("testcase")}
     assert [e.tag for e in cases["test_c_crashes_in_a_fork"] if e.tag != "properties"] == [
@@ -121,7 +116,6 @@ def test_a_failure_of_the_tests_own_counts_once_and_evidence_runs_it_again_shown
     assert (suite.path / "runs.txt").read_text() == "1"
     assert again["test_a_counts_its_runs"] == ["FAILED"]
     # Spawned now: what a fresh interpreter gives, run once.
-    assert again["test_e_skips_in_a_fork"] == ["PASSED"]
     assert again["test_f_xfails_in_a_fork"] == ["FAILED"]  # XPASS(strict), as plain
     for name in ("test_c_crashes_in_a_fork", "test_d_hangs_in_a_fork"):
         assert again[name] == ["PASSED"], (name, again)

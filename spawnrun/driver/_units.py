@@ -314,7 +314,7 @@ class Units(Loop):
         if self._budget_guess(job):
             return True  # out of memory on a guessed budget: alone, with none
         if job.forked and (failed or _evidence.unsure(reports)):
-            # A failure of its own, or a skip (an xfail) in its call: that counts, once,
+            # A failure of its own, or an xfail that held in its call: that counts, once,
             # and the next run spawns it (what a fork read may read otherwise spawned).
             why = _unforked.FAILED_IN_FORK if failed else _unforked.SKIPPED_IN_FORK
             _unforked.unsure(config, nodeid, why, outcome, failure)

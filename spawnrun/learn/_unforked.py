@@ -53,7 +53,7 @@ ALIKE_KEY = pytest.StashKey[dict[str, str]]()
 FAILURE_LIMIT = 2_000
 
 FAILED_IN_FORK = "it failed in a fork of a template"
-SKIPPED_IN_FORK = "it skipped itself, or an xfail held, in a fork of a template"
+SKIPPED_IN_FORK = "an xfail held in a fork of a template (it raised there)"
 NOT_FOUND_IN_FORK = "a fork of a template did not find it"
 REMEMBERED = "an earlier run: {why}"
 
@@ -199,8 +199,8 @@ def lines(config: Any, shown: frozenset[str] = frozenset()) -> list[str]:
         kept = getattr(config, "cache", None) is not None
         out.append(
             f"{len(unsure_)} forked test{'s' if many else ''} ended where the fork may have "
-            "changed what they saw, with no sign it did (a failure of the test's own, a "
-            "skip in its call, a pass in doubt): "
+            "changed what they saw, with no sign it did (a failure of the test's own, an "
+            "xfail that held): "
             f"{'their reports count' if many else 'its report counts'}, not run again"
             + (
                 f"; the next run spawns {'them' if many else 'it'} while "
