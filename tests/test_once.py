@@ -110,6 +110,15 @@ def test_a_failure_of_the_tests_own_counts_once_and_evidence_runs_it_again_shown
     for name in ("test_a", "test_b", "test_c", "test_d", "test_g"):
         lastfailed.stdout.fnmatch_lines([f"*test_once.py::{name}*"])
 
+    explain = suite.runpytest_subprocess(*FAST, "--spawn-explain")
+    explain.stdout.fnmatch_lines(
+        [
+            "*test_a_counts_its_runs*not forked, spawned fresh: an earlier run: it failed "
+            "in a fork of a template*",
+            "*test_c_crashes_in_a_fork*not forked, spawned fresh: an earlier run: it crashed "
+            "in a fork of a template*",
+        ]
+    )
     _clean(suite)
     second = suite.runpytest_subprocess(*FAST)
     again = _statuses(second)

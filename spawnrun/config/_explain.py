@@ -58,6 +58,8 @@ def describe(
     parts.append(f"timeout {'none' if plan.timeout is None else f'{plan.timeout:g} s'}")
     if plan.forked:
         parts.append(f"forked from {plan.scope} (fast mode)")
+    elif plan.unforked:
+        parts.append(f"not forked, spawned fresh: {plan.unforked}")
     elif plan.scope:
         parts.append(f"shares a child: {plan.scope}")
     if plan.count or plan.every:
