@@ -24,6 +24,7 @@ import pytest
 
 from spawnrun.config._plan import SETTINGS_KEY
 from spawnrun.driver import _replay
+from spawnrun.learn import _unforked
 
 #: The tests of this run that ran again, in the order they were reported.
 RUNS_KEY = pytest.StashKey[list["Rerun"]]()
@@ -58,7 +59,7 @@ def before_emit(replay: _replay.Replay) -> None:
         text = STRICT.format(why=replay.again_why) + "\n" + first
         replay.fail_passed("spawnrun: first run", text)
     run = Rerun(replay.item.nodeid, replay.again_why, list(replay.earlier))
-    run.outcome = _outcome(replay.reports)
+    run.outcome = _unforked.outcome(replay.reports)
     config.stash.setdefault(RUNS_KEY, []).append(run)
     _junit(config, run)
 
@@ -79,16 +80,6 @@ def after_emit(replay: _replay.Replay) -> None:
 def _failed(report: pytest.TestReport) -> bool:
     """Whether a kept first run's report failed (it says "rerun" now)."""
     return getattr(report, "spawnrun_first_outcome", "") == "failed"
-
-
-def _outcome(reports: list[pytest.TestReport]) -> str:
-    if any(r.failed and r.when != "call" for r in reports):
-        return "error"
-    if any(r.failed for r in reports):
-        return "failed"
-    if any(r.skipped for r in reports):
-        return "skipped"
-    return "passed"
 
 
 def _junit(config: pytest.Config, run: Rerun) -> None:
