@@ -101,7 +101,8 @@ def _line(report: Any, found: re.Match[str]) -> str:
     end = words.find("\n", found.end())
     line = words[start : end if end >= 0 else len(words)].strip()
     line = line[1:].strip() if line.startswith("E ") else line
-    return line[:200]
+    # Its first sentence: CUDA's words go on about each process's memory.
+    return line.split(". ")[0][:160]
 
 
 def _skip_reason(report: Any) -> str:
