@@ -129,6 +129,9 @@ def test_a_failure_of_the_tests_own_counts_once_and_evidence_runs_it_again_shown
     for name in ("test_c_crashes_in_a_fork", "test_d_hangs_in_a_fork"):
         assert again[name] == ["PASSED"], (name, again)
     second.stdout.no_fnmatch_line("*RERUN*")
+    second.stdout.fnmatch_lines(
+        ["*tests spawned, not forked, as an earlier run's record says (--spawn-explain*"]
+    )
 
 
 def test_strict_fails_a_test_that_passed_only_when_run_again(suite):

@@ -54,6 +54,8 @@ def plan_items(config: pytest.Config, items: list[pytest.Item], limit: int) -> l
         if item.nodeid in unforked:
             why = _unforked.REMEMBERED.format(why=unforked[item.nodeid])
             plan = replace(plan, unforked=why)
+            if spawns:
+                _unforked.spawned_by_record(config, item.nodeid)
         elif item.nodeid in known:
             plan = replace(plan, known_failure=known[item.nodeid])
         item.stash[PLAN_KEY] = plan

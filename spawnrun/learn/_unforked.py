@@ -46,6 +46,8 @@ KNOWN_KEY = pytest.StashKey[list[str]]()
 #: themselves (their reports count; the next run spawns them): node id -> (why, the
 #: failure in the fork).
 UNSURE_KEY = pytest.StashKey[dict[str, tuple[str, str]]]()
+#: This run's tests spawned, not forked, because an earlier run's record says so.
+RECORDED_KEY = pytest.StashKey[list[str]]()
 #: This run's tests spawned because of such a record, that failed as their fork had:
 #: node id -> that failure (the fork was not to blame: a known failure from now on).
 ALIKE_KEY = pytest.StashKey[dict[str, str]]()
@@ -139,6 +141,11 @@ def unsure(config: Any, nodeid: str, why: str, outcome: str, failed: str = "") -
     config.stash.setdefault(UNSURE_KEY, {})[nodeid] = (f"{why} ({outcome} forked, counted)", failed)
 
 
+def spawned_by_record(config: Any, nodeid: str) -> None:
+    """This run spawns the test, not forking it, as an earlier run's record says."""
+    config.stash.setdefault(RECORDED_KEY, []).append(nodeid)
+
+
 def spawned(config: Any, nodeid: str, failed: str) -> None:
     """A test spawned because an earlier run was unsure of its fork ended with
     ``failed`` ("" none): where its fork had failed so, the fork was not to blame, and the
@@ -193,7 +200,15 @@ def lines(config: Any, shown: frozenset[str] = frozenset()) -> list[str]:
     run = config.stash.get(RUN_KEY, {})
     known = config.stash.get(KNOWN_KEY, [])
     unsure_ = config.stash.get(UNSURE_KEY, {})
+    recorded = config.stash.get(RECORDED_KEY, [])
     out = []
+    if recorded:
+        many = len(recorded) != 1
+        out.append(
+            f"{len(recorded)} test{'s' if many else ''} spawned, not forked, as an earlier "
+            f"run's record says (--spawn-explain says why for each): {', '.join(recorded[:5])}"
+            + (" ..." if len(recorded) > 5 else "")
+        )
     if unsure_:
         many = len(unsure_) != 1
         kept = getattr(config, "cache", None) is not None
