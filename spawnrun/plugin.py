@@ -86,6 +86,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _collected = config.stash.get(_session.COLLECTED_KEY, None)
     config.pluginmanager.register(_Spawns(), "spawnrun-spawns")
     config.pluginmanager.register(_AfterEachTest(config), "spawnrun-after-each-test")
+    config.pluginmanager.register(_reruns.Logged(config), "spawnrun-reruns")
 
 
 @pytest.hookimpl

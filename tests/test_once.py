@@ -147,3 +147,15 @@ def test_x_stops_at_the_first_failure_as_plain_pytest_does(suite):
     fast.stdout.no_fnmatch_line("*INTERNALERROR*")
     assert plain.parseoutcomes() == fast.parseoutcomes() == {"failed": 1}
     assert _statuses(fast) == {"test_a_counts_its_runs": ["FAILED"]}
+
+
+def test_under_xdist_both_runs_reach_the_controllers_junitxml_and_lf(suite):
+    """xdist's controller writes junitxml and ``--lf``'s record from its workers'
+    reports: a test's kept first run reaches both there too."""
+    result = suite.runpytest_subprocess(*FAST, "-n", "2", "--junitxml=x.xml")
+    result.stdout.no_fnmatch_line("*INTERNALERROR*")
+    cases = {c.get("name"): c for c in ET.parse(suite.path / "x.xml").iter("testcase")}
+    flaky = cases["test_c_crashes_in_a_fork"].find("flakyFailure")
+    assert flaky is not None and "crashed in a fork" in flaky.get("message", "")
+    lastfailed = suite.runpytest_subprocess("--cache-show", "cache/lastfailed")
+    lastfailed.stdout.fnmatch_lines(["*test_once.py::test_c_crashes_in_a_fork*"])

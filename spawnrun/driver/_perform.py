@@ -336,7 +336,6 @@ class Performer(Units):
             return
         _reruns.before_emit(job.replay)
         job.replay.emit(job.parent_error)
-        _reruns.after_emit(job.replay)
         reports = job.replay.reports
         _unforked.confirmed(
             job.item.config, nodeid, _unforked.outcome(reports), _unforked.failure(reports)

@@ -47,8 +47,7 @@ class Rerun:
 
 def before_emit(replay: _replay.Replay) -> None:
     """Before a test that ran again is logged: under ``strict``, one that passed only
-    when it ran again fails; junitxml gets its first run (its case is open until its
-    teardown is logged)."""
+    when it ran again fails; the summary keeps both runs."""
     if not replay.earlier:
         return
     config = replay.item.config
@@ -61,20 +60,41 @@ def before_emit(replay: _replay.Replay) -> None:
     run = Rerun(replay.item.nodeid, replay.again_why, list(replay.earlier))
     run.outcome = _unforked.outcome(replay.reports)
     config.stash.setdefault(RUNS_KEY, []).append(run)
-    _junit(config, run)
 
 
-def after_emit(replay: _replay.Replay) -> None:
-    """A test that passed only when it ran again stays among ``--lf``'s last failed
-    (pytest's cache provider dropped it at its passed call)."""
-    runs = replay.item.config.stash.get(RUNS_KEY, [])
-    if not replay.earlier or not runs or runs[-1].nodeid != replay.item.nodeid:
-        return
-    if runs[-1].outcome in ("passed", "skipped"):
-        lfplugin = replay.item.config.pluginmanager.get_plugin("lfplugin")
-        lastfailed = getattr(lfplugin, "lastfailed", None)
-        if isinstance(lastfailed, dict):
-            lastfailed[replay.item.nodeid] = True
+class Logged:
+    """Where pytest logs reports (this process, or xdist's controller, which gets its
+    workers' reports): a test's kept first runs reach junitxml, as Surefire's
+    ``flakyFailure``/``rerunFailure`` of the test's case, and one that passed only when it
+    ran again stays among ``--lf``'s last failed. Both are done as its teardown report
+    comes, before junitxml closes its case and after pytest's cache provider dropped it
+    at its passed call."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        #: Node id -> its kept first runs that failed, and whether its counted run failed.
+        self.pending: dict[str, tuple[list[pytest.TestReport], bool]] = {}
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        first, failed = self.pending.get(report.nodeid, ([], False))
+        if report.outcome == "rerun":  # type: ignore[comparison-overlap]
+            if _failed(report):
+                self.pending[report.nodeid] = ([*first, report], failed)
+            return
+        if not first:
+            return
+        failed = failed or report.failed
+        self.pending[report.nodeid] = (first, failed)
+        if report.when != "teardown":
+            return
+        del self.pending[report.nodeid]
+        _junit(self.config, report, first, flaky=not failed)
+        if not failed:
+            lfplugin = self.config.pluginmanager.get_plugin("lfplugin")
+            lastfailed = getattr(lfplugin, "lastfailed", None)
+            if isinstance(lastfailed, dict):
+                lastfailed[report.nodeid] = True
 
 
 def _failed(report: pytest.TestReport) -> bool:
@@ -82,19 +102,25 @@ def _failed(report: pytest.TestReport) -> bool:
     return getattr(report, "spawnrun_first_outcome", "") == "failed"
 
 
-def _junit(config: pytest.Config, run: Rerun) -> None:
+def _junit(
+    config: pytest.Config,
+    teardown: pytest.TestReport,
+    first: list[pytest.TestReport],
+    flaky: bool,
+) -> None:
     """The first run as Surefire's ``flakyFailure``/``rerunFailure`` of the test's case."""
     xml = _replay.junitxml(config)
     if xml is None:
         return
-    case = xml.node_reporter(run.nodeid)  # the test's case, open until its teardown
-    kind = "flaky" if run.outcome in ("passed", "skipped") else "rerun"
-    for report in filter(_failed, run.first):
+    case = xml.node_reporter(teardown)  # the test's case (an xdist worker's too)
+    kind = "flaky" if flaky else "rerun"
+    for report in first:
         error = report.when != "call"
         tag = kind + ("Error" if error else "Failure")
         crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
         message = getattr(crash, "message", None) or str(report.longrepr or "").split("\n")[0]
-        child = ET.Element(tag, message=f"{run.why}: {message}"[:1000])
+        why = getattr(report, "spawnrun_again", "")
+        child = ET.Element(tag, message=f"{why}: {message}"[:1000])
         child.set("type", "spawnrun.rerun")
         trace = ET.SubElement(child, "stackTrace")
         trace.text = str(report.longrepr or "")
