@@ -234,8 +234,8 @@ SETTINGS: tuple[Setting, ...] = (
         parse=_parse.parse_pack,
         help="Which tests share a device: off (one per device), declared (those with a "
         "memory budget) or auto (also those whose peak an earlier run measured, and on a "
-        "first run those --spawn-gpu spawns unmarked, in equal shares; a test that fails "
-        "on such a guess runs again alone)",
+        "first run those --spawn-gpu spawns unmarked, in equal shares; a test that runs "
+        "out of memory on such a guess runs again alone)",
         metavar="MODE",
         title="which tests share a device",
         default_doc="auto (declared budgets, and peaks earlier runs measured)",
