@@ -24,6 +24,7 @@ import pytest
 
 from spawnrun.config._plan import SETTINGS_KEY
 from spawnrun.driver import _replay
+from spawnrun.learn import _evidence
 from spawnrun.learn import _unforked
 
 #: The tests of this run that ran again, in the order they were reported.
@@ -117,8 +118,7 @@ def _junit(
     for report in first:
         error = report.when != "call"
         tag = kind + ("Error" if error else "Failure")
-        crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-        message = getattr(crash, "message", None) or str(report.longrepr or "").split("\n")[0]
+        message = _evidence.crash_message(report) or str(report.longrepr or "").split("\n")[0]
         why = getattr(report, "spawnrun_again", "")
         child = ET.Element(tag, message=f"{why}: {message}"[:1000])
         child.set("type", "spawnrun.rerun")
@@ -171,9 +171,8 @@ def shown(config: pytest.Config) -> frozenset[str]:
 
 def _first_line(reports: list[pytest.TestReport]) -> str:
     for report in reports:
-        crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-        message = getattr(crash, "message", None)
-        if isinstance(message, str) and message:
+        message = _evidence.crash_message(report)
+        if message:
             return f"{report.when}: {message.splitlines()[0][:160]}"
         text = str(report.longrepr or "").strip().splitlines()
         if text and _failed(report):  # a death's words (spawnrun's): its first line

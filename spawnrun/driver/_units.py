@@ -297,9 +297,9 @@ class Units(Loop):
             return False
         config, nodeid, reports = job.item.config, job.item.nodeid, job.replay.reports
         failed = any(r.failed for r in reports)
-        if not job.forked and job.plan.unforked:
-            _unforked.spawned(config, nodeid, _unforked.failure(reports))
         failure = _unforked.failure(reports)
+        if not job.forked and job.plan.unforked:
+            _unforked.spawned(config, nodeid, failure)
         outcome = _unforked.outcome(reports)
         if job.forked and (failed or job.doubt):
             if not job.doubt and failure and failure == job.plan.known_failure:
@@ -316,7 +316,7 @@ class Units(Loop):
         if job.forked and (failed or _evidence.unsure(reports)):
             # A failure of its own, or an xfail that held in its call: that counts, once,
             # and the next run spawns it (what a fork read may read otherwise spawned).
-            why = _unforked.FAILED_IN_FORK if failed else _unforked.SKIPPED_IN_FORK
+            why = _unforked.FAILED_IN_FORK if failed else _unforked.XFAILED_IN_FORK
             _unforked.unsure(config, nodeid, why, outcome, failure)
         return False
 

@@ -85,13 +85,19 @@ def unsure(reports: list[Any]) -> bool:
     return any(r.when == "call" and r.skipped and hasattr(r, "wasxfail") for r in reports)
 
 
-def _words(report: Any) -> str:
-    """The failure's crash message and the error lines of its traceback."""
+def crash_message(report: Any) -> str:
+    """The exception and message pytest's traceback ends with ("": a report with no
+    structured traceback, such as a death's words or a skip)."""
     crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
     message = getattr(crash, "message", None)
+    return message if isinstance(message, str) else ""
+
+
+def _words(report: Any) -> str:
+    """The failure's crash message and the error lines of its traceback."""
     text = str(getattr(report, "longrepr", "") or "")[-_TAIL:]
     errors = "\n".join(line for line in text.splitlines() if line.startswith("E "))
-    return "\n".join(w for w in (message if isinstance(message, str) else "", errors) if w)
+    return "\n".join(w for w in (crash_message(report), errors) if w)
 
 
 def _line(report: Any, found: re.Match[str]) -> str:

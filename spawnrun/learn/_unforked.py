@@ -33,6 +33,7 @@ from typing import Any
 import pytest
 
 from spawnrun.learn import _boots
+from spawnrun.learn import _evidence
 
 KEY = "spawnrun/unforked"
 #: Records kept at most (the oldest go first).
@@ -55,7 +56,7 @@ ALIKE_KEY = pytest.StashKey[dict[str, str]]()
 FAILURE_LIMIT = 2_000
 
 FAILED_IN_FORK = "it failed in a fork of a template"
-SKIPPED_IN_FORK = "an xfail held in a fork of a template (it raised there)"
+XFAILED_IN_FORK = "an xfail held in a fork of a template (it raised there)"
 NOT_FOUND_IN_FORK = "a fork of a template did not find it"
 REMEMBERED = "an earlier run: {why}"
 
@@ -122,10 +123,9 @@ def failure(reports: list[Any]) -> str:
     for report in reports:
         if not report.failed:
             continue
-        crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-        words = getattr(crash, "message", None)
-        if not isinstance(words, str):
-            words = (str(report.longrepr).strip().splitlines() or [""])[-1]
+        # (pytest's crash message always names the exception: never empty)
+        words = _evidence.crash_message(report)
+        words = words or (str(report.longrepr).strip().splitlines() or [""])[-1]
         return f"{report.when}: {words}"[:FAILURE_LIMIT]
     return ""
 
